@@ -1,0 +1,59 @@
+"""Compressors and the one registry table that names them.
+
+Example:
+    >>> from gradsync import compress
+    >>> c = compress.build("topk", ratio=0.01)
+    >>> payload, ctx = c.compress(torch.randn(1000))
+    >>> y = c.decompress(payload, ctx)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import registry
+from .base import Compressor, Payload
+from .cast import BF16, FP16
+from .identity import Identity
+from .powersgd import PowerSGD
+from .qsgd import QSGD
+from .randk import RandK
+from .sign import EFSignSGD
+from .topk import TopK
+
+REGISTRY: dict[str, type[Compressor]] = {
+    "identity": Identity,
+    "fp16": FP16,
+    "bf16": BF16,
+    "topk": TopK,
+    "randk": RandK,
+    "qsgd": QSGD,
+    "efsignsgd": EFSignSGD,
+    "powersgd": PowerSGD,
+}
+
+__all__ = ["REGISTRY", "Compressor", "Payload", "build", "lookup", "names", "parameters"]
+
+
+def names() -> list[str]:
+    """Every registered compressor name, in registry order."""
+    return list(REGISTRY)
+
+
+def lookup(name: str) -> type[Compressor]:
+    """The compressor class registered as `name`; KeyError listing the valid names otherwise."""
+    return registry.lookup(REGISTRY, "compressor", name)
+
+
+def parameters(name: str) -> dict[str, Any]:
+    """The parameters `name` accepts, with their defaults."""
+    return registry.parameters(lookup(name))
+
+
+def build(name: str, **params: Any) -> Compressor:
+    """Construct the compressor registered as `name`.
+
+    Unknown name: KeyError listing the names. Unknown parameter: TypeError listing the valid
+    parameters. Out-of-range value: ValueError with the value and the allowed range.
+    """
+    return registry.construct(REGISTRY, "compressor", name, params)

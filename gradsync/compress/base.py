@@ -1,0 +1,127 @@
+"""The contract every compressor follows, and the checks their constructors share."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+Payload = tuple[torch.Tensor, ...]
+
+
+class Compressor:
+    """Turns a tensor into a packed payload and back; never talks to the network.
+
+    `compress(x) -> (payload, ctx)`: `payload` is a tuple of tensors, exactly the bytes that cross
+    the wire; `ctx` stays local and holds only what every rank knows without communicating (shape,
+    dtype, a support drawn from a shared seed). So any rank can decode any rank's payload with its
+    own ctx, and all ranks decode identically.
+
+    Capabilities are declared on the class and callers branch on them:
+      summable   payloads of different ranks may be summed elementwise (allreduce), and
+                 decompress(sum of payloads) == sum of decompress(payload).
+      unbiased   E[decompress(compress(x))] == x.
+      fixed_size payload shapes depend only on x.numel(), so no sizes need exchanging.
+      randomness "none"; "shared": the same stream on every rank (the hook seeds it identically);
+                 "local": an independent stream per rank.
+      rounds     > 1: a multi-round summable protocol (PowerSGD) driven by the exchange layer
+                 through begin / next_round / finish instead of one compress.
+    """
+
+    summable: ClassVar[bool] = False
+    unbiased: ClassVar[bool] = False
+    fixed_size: ClassVar[bool] = True
+    randomness: ClassVar[str] = "none"
+    rounds: ClassVar[int] = 1
+
+    def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement compress")
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement decompress")
+
+    def add_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
+        """out += decompress(payload, ctx); sparse codecs override it to skip the dense temporary."""
+        out += self.decompress(payload, ctx)
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of the payload for an fp32 tensor of `numel` elements (sum of its nbytes)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement payload_bytes")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the exact same sequence of payloads after a restart."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+class SeededCompressor(Compressor):
+    """A compressor that draws random numbers from its own seeded torch.Generator.
+
+    The generator is created on the device of the first input, so CPU and GPU runs each keep one
+    stream; its state is part of state_dict so a resumed run draws the same numbers.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = check_int("seed", seed, 0, 2**63 - 1)
+        self._generator: torch.Generator | None = None
+        self._pending_state: torch.Tensor | None = None
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+            if self._pending_state is not None:
+                self._generator.set_state(self._pending_state)
+                self._pending_state = None
+        return self._generator
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._generator is None:
+            return {"generator": self._pending_state}
+        return {"generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._generator = None
+        self._pending_state = state.get("generator")
+
+
+def shape_ctx(x: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    return x.shape, x.dtype
+
+
+def count_for(numel: int, ratio: float) -> int:
+    """Elements kept at `ratio`: round(ratio * numel), at least 1 and at most numel.
+
+    Rounding (not ceil) keeps 0.01 * 100 == 1 although the product is 1.0000000000000002.
+    """
+    if numel == 0:
+        return 0
+    return min(numel, max(1, int(numel * ratio + 0.5)))
+
+
+def check_fraction(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name}={value!r} is out of range (0, 1]; pass a fraction such as 0.01")
+    return float(value)
+
+
+def check_int(name: str, value: Any, lo: int, hi: int | float = math.inf) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an integer in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
+    return value

@@ -1,0 +1,103 @@
+"""SyncConfig: what the hook does, validated when it is made."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from . import compress, feedback
+
+_SEED_BOUND = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Configuration of gradsync's DDP hook; the same on every rank.
+
+    Example:
+        >>> cfg = SyncConfig(compressor="topk", compressor_args={"ratio": 0.01},
+        ...                  error_feedback="ef", warmup_steps=10)
+    """
+
+    # Compressor name from gradsync.compress.names() and its parameters (see `gradsync list`).
+    compressor: str = "topk"
+    compressor_args: Mapping[str, Any] = field(default_factory=dict)
+    # Error feedback: "none", "ef" (residual), "ef21" or "econtrol"; and its parameters
+    # (econtrol: {"eta": float}).
+    error_feedback: str = "ef"
+    error_feedback_args: Mapping[str, Any] = field(default_factory=dict)
+    # Steps of plain fp32 allreduce before compressing; >= 2, since DDP rebuilds its buckets
+    # after the first step and compression state is kept per bucket.
+    warmup_steps: int = 10
+    # Buckets with fewer elements go uncompressed (fp32 allreduce): for them latency, not
+    # bandwidth, dominates, and compressing only costs time.
+    min_compress_numel: int = 16384
+    # Root of every random stream: shared streams (randk, powersgd) are seeded per bucket,
+    # local ones (qsgd, sampled topk) per bucket and rank.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if "seed" in self.compressor_args:
+            raise ValueError(
+                f"compressor_args sets seed={self.compressor_args['seed']!r}; set SyncConfig(seed=...) "
+                "instead: gradsync derives each bucket's seed from it so that ranks agree"
+            )
+        # Frozen copies, so that a config cannot change after it was validated.
+        object.__setattr__(self, "compressor_args", ReadOnlyDict(self.compressor_args))
+        object.__setattr__(self, "error_feedback_args", ReadOnlyDict(self.error_feedback_args))
+        codec = compress.build(self.compressor, **self.compressor_args)
+        feedback.build(self.error_feedback, **self.error_feedback_args)
+        _check_int("warmup_steps", self.warmup_steps, 2, "DDP rebuilds its buckets after the first step")
+        _check_int("min_compress_numel", self.min_compress_numel, 0, "a count of elements")
+        _check_int("seed", self.seed, 0, "a non-negative integer", hi=_SEED_BOUND)
+        if self.error_feedback == "none" and not type(codec).unbiased and self.compressor != "identity":
+            warnings.warn(
+                f"compressor {self.compressor!r} is biased and error_feedback='none': what it drops is "
+                "lost for good, which usually costs accuracy; use error_feedback='ef'",
+                stacklevel=3,
+            )
+
+    def build_compressor(self, seed: int) -> compress.Compressor:
+        """A fresh compressor; `seed` goes to those that draw random numbers."""
+        args = dict(self.compressor_args)
+        if "seed" in compress.parameters(self.compressor):
+            args["seed"] = seed
+        return compress.build(self.compressor, **args)
+
+    def build_feedback(self) -> feedback.Feedback:
+        return feedback.build(self.error_feedback, **self.error_feedback_args)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            f.name: dict(value) if isinstance(value, Mapping) else value
+            for f in fields(self)
+            for value in [getattr(self, f.name)]
+        }
+
+    def fingerprint(self) -> str:
+        """Canonical text of the config: equal on two ranks exactly when their configs are."""
+        return json.dumps(self.to_dict(), sort_keys=True, default=repr)
+
+
+class ReadOnlyDict(dict):
+    """A dict that refuses changes but pickles and copies like a dict."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("SyncConfig arguments are read-only; make a new config with dataclasses.replace")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+    __ior__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (dict(self),))
+
+
+def _check_int(name: str, value: Any, lo: int, why: str, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an integer >= {lo} ({why})")
+    if value < lo or (hi is not None and value > hi):
+        upper = "inf" if hi is None else hi
+        raise ValueError(f"{name}={value} is out of range [{lo}, {upper}]: {why}")

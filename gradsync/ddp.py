@@ -1,0 +1,232 @@
+"""The DDP communication hook: its state, the hook itself, and register().
+
+No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+
+from . import exchange
+from .comm import Comm, TorchComm, allgather_object
+from .compress import Compressor, lookup
+from .config import SyncConfig
+from .feedback import Feedback
+from .trace import BucketRecord, Trace
+
+log = logging.getLogger("gradsync")
+
+
+@dataclass
+class CompressionPoint:
+    """One bucket's compressor and error memory: everything compression keeps between steps."""
+
+    numel: int
+    codec: Compressor
+    feedback: Feedback
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"numel": self.numel, "codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
+
+
+class SyncState:
+    """What gradsync's hook keeps between steps. Returned by register().
+
+    Example:
+        >>> state = gradsync.register(ddp_model, gradsync.SyncConfig(compressor="topk"))
+        >>> ...train...
+        >>> state.stats()["last_step"]["compression_ratio"]
+        >>> torch.save(state.state_dict(), "gradsync.pt")
+    """
+
+    def __init__(self, config: SyncConfig, comm: Comm) -> None:
+        # -- hyperparameters
+        self.config = config
+        # -- the ranks to average over (not pickled)
+        self.comm: Optional[Comm] = comm
+        # -- internal state
+        self.step = 0  # training steps whose last bucket reached the hook
+        self.points: dict[int, CompressionPoint] = {}  # by DDP bucket index
+        self._ranks_agree = False  # set once every rank's config was compared
+        # -- statistics
+        self.trace = Trace()
+
+    def sync(self, buffer: torch.Tensor, bucket_index: int, is_last: bool) -> Future[torch.Tensor]:
+        """Average `buffer` over the ranks: the hook's whole job, usable without DDP too.
+
+        The future holds a fresh tensor shaped like `buffer`. `buffer` itself is divided by the
+        world size in place and must stay untouched until the future completes.
+        """
+        comm = self._comm()
+        if not self._ranks_agree:
+            self._check_ranks_agree(buffer.device)
+        step = self.step
+        if is_last:
+            self.step += 1
+        buffer.div_(comm.world_size)  # before compressing: low-precision sums cannot overflow
+        compress = step >= self.config.warmup_steps and buffer.numel() >= self.config.min_compress_numel
+        if not compress:
+            future = exchange.start(None, buffer, comm)
+            return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, None))
+        point = self._point(bucket_index, buffer)
+        finite = _is_finite(buffer)
+        # A non-finite gradient never enters a memory: it is not even added to one.
+        p = point.feedback.prepare(buffer) if finite else buffer
+        future = exchange.start(point.codec, p, comm, finite)
+        return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, (point, p)))
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes and seconds per step and in total; see Trace.stats."""
+        return {"step": self.step, **self.trace.stats()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue the exact same trajectory."""
+        return {
+            "config": self.config.to_dict(),
+            "step": self.step,
+            "points": {index: point.state_dict() for index, point in self.points.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = SyncConfig(**state["config"])
+        if saved != self.config:
+            raise ValueError(
+                f"the checkpoint was made with {saved}, but this run uses {self.config}; its error "
+                "memories and compressor state would not fit: resume with the same SyncConfig"
+            )
+        self.step = state["step"]
+        self.points = {}
+        for index, saved_point in state["points"].items():
+            point = self._new_point(int(index), saved_point["numel"])
+            point.codec.load_state_dict(saved_point["codec"])
+            point.feedback.load_state_dict(saved_point["feedback"])
+            self.points[int(index)] = point
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The process group cannot be pickled; everything else can.
+        return {**self.__dict__, "comm": None}
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _comm(self) -> Comm:
+        if self.comm is None:
+            raise RuntimeError(
+                "this SyncState was unpickled and has no process group; call "
+                "gradsync.register(ddp_model, config) and load_state_dict(old_state.state_dict())"
+            )
+        return self.comm
+
+    def _finish(
+        self,
+        result: exchange.Exchanged,
+        step: int,
+        bucket_index: int,
+        buffer: torch.Tensor,
+        compressed: Optional[tuple[CompressionPoint, torch.Tensor]],
+    ) -> torch.Tensor:
+        if not result.finite:
+            out = torch.full_like(buffer, math.nan)  # AMP's GradScaler then skips the step
+        elif compressed is None:
+            out = result.total
+        else:
+            point, p = compressed
+            out = point.feedback.update(buffer, p, result.local, result.total)
+        numel = buffer.numel()
+        self.trace.record(
+            BucketRecord(
+                step=step,
+                bucket=bucket_index,
+                numel=numel,
+                compressed=compressed is not None,
+                payload_bytes=result.payload_bytes,
+                bytes_sent=result.bytes_sent,
+                bytes_fp32=exchange.allreduce_sent_bytes(4 * numel, self._comm().world_size),
+                compress_s=result.seconds.get("compress", 0.0),
+                communicate_s=result.seconds.get("communicate", 0.0),
+                decompress_s=result.seconds.get("decompress", 0.0),
+            )
+        )
+        return out
+
+    def _point(self, bucket_index: int, buffer: torch.Tensor) -> CompressionPoint:
+        point = self.points.get(bucket_index)
+        if point is None:
+            point = self.points[bucket_index] = self._new_point(bucket_index, buffer.numel())
+        elif point.numel != buffer.numel():
+            raise ValueError(
+                f"DDP bucket {bucket_index} has {buffer.numel()} elements but its gradsync state was "
+                f"made for {point.numel}: the bucket layout changed (another model, bucket_cap_mb or "
+                "a checkpoint from another run); register gradsync afresh for this layout"
+            )
+        return point
+
+    def _new_point(self, bucket_index: int, numel: int) -> CompressionPoint:
+        comm = self._comm()
+        local_stream = lookup(self.config.compressor).randomness == "local"
+        rank = comm.rank if local_stream else 0
+        seed = _derive_seed(self.config.seed, bucket_index, rank)
+        return CompressionPoint(numel, self.config.build_compressor(seed), self.config.build_feedback())
+
+    def _check_ranks_agree(self, device: torch.device) -> None:
+        """Fail on every rank, with the same message, when ranks were configured differently.
+
+        Runs on the first call, before any gradient is exchanged, so that differing settings
+        (warm-up length, compressor) can never make ranks issue different collectives and hang.
+        """
+        fingerprints = allgather_object(self._comm(), self.config.fingerprint(), device)
+        self._ranks_agree = True
+        if len(set(fingerprints)) > 1:
+            lines = "\n".join(f"  rank {r}: {f}" for r, f in enumerate(fingerprints))
+            raise ValueError(
+                "gradsync: the ranks were given different SyncConfigs, so their gradients cannot be "
+                f"exchanged:\n{lines}\nPass the same SyncConfig on every rank."
+            )
+
+
+def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average one bucket with compression and error feedback."""
+    return state.sync(bucket.buffer(), bucket.index(), bucket.is_last())
+
+
+def register(model: DistributedDataParallel, config: Optional[SyncConfig] = None) -> SyncState:
+    """Install gradsync's communication hook on a DDP model and return its state.
+
+    Call it once, on every rank, before the first backward pass, with the same config.
+
+    Example:
+        >>> model = DistributedDataParallel(net)
+        >>> state = gradsync.register(model, gradsync.SyncConfig(compressor="topk",
+        ...                           compressor_args={"ratio": 0.01}, error_feedback="ef"))
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"gradsync.register expects a torch.nn.parallel.DistributedDataParallel model, got "
+            f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
+        )
+    if config is None:
+        config = SyncConfig()
+    if not isinstance(config, SyncConfig):
+        raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
+    state = SyncState(config, TorchComm(model.process_group))
+    model.register_comm_hook(state, hook)
+    log.info("gradsync registered on rank %d of %d: %s", state.comm.rank, state.comm.world_size, config)
+    return state
+
+
+def _is_finite(t: torch.Tensor) -> bool:
+    # One reduction pass instead of an isfinite() mask; a sum that overflows is checked exactly.
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _derive_seed(root: int, bucket_index: int, rank: int) -> int:
+    """Independent-looking seeds per (root, bucket, rank), the same on every run."""
+    mixed = (root * 1_000_003 + bucket_index) * 1_000_003 + rank
+    return (mixed * 0x9E3779B97F4A7C15) % (2**63 - 1)

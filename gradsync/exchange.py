@@ -1,0 +1,221 @@
+"""Exchange: from one rank's tensor to the decoded sum over all ranks.
+
+The scheme follows the compressor's declared capabilities:
+  allreduce  summable payloads: one allreduce of the payload tensors concatenated (one dtype).
+  allgather  any other payload: one allgather of each rank's payload bytes; codecs whose payload
+             size varies from rank to rank exchange their sizes first.
+  rounds     multi-round summable codecs (PowerSGD): one allreduce per round.
+  plain      no codec: the tensor itself is allreduced (warm-up steps, small buckets).
+
+Every rank decodes the payloads in rank order into a fresh tensor, so the sum is bit-identical
+on every rank. The callers pre-divide by the world size, so the sum is the average.
+
+Non-finite gradients: a rank whose tensor is not finite compresses zeros instead, so its codec
+state stays in step with the other ranks, and writes a NaN into its payload. Every rank sees that
+NaN after the exchange, so all of them agree that the step is non-finite.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.futures import Future
+
+from .comm import Comm, allgather_sizes, completed
+from .compress import Compressor, Payload
+
+Local = Callable[[], torch.Tensor]
+
+
+@dataclass
+class Exchanged:
+    """The outcome of one exchange, as seen by one rank."""
+
+    total: torch.Tensor | None  # decoded sum over ranks, same bits on every rank; None if not finite
+    local: Callable[[], torch.Tensor]  # this rank's own decoded payload, for error feedback
+    finite: bool  # False when any rank's input was not finite
+    payload_bytes: int  # bytes of this rank's payload, all rounds
+    bytes_sent: int  # bytes this rank sends over its links (ring algorithms)
+    seconds: dict[str, float] = field(default_factory=dict)  # compress, communicate, decompress
+
+
+def start(codec: Compressor | None, x: torch.Tensor, comm: Comm, finite: bool = True) -> Future[Exchanged]:
+    """Compress `x`, launch its exchange and return a future of the result.
+
+    Collectives are launched before returning (blocking only where a second collective depends on
+    the first), so all ranks issue them in the same order; decoding runs when the data arrives.
+    `codec=None` allreduces `x` itself, in place.
+    """
+    clock = _Clock()
+    if codec is None:
+        return _plain(x, comm, clock)
+    if codec.rounds > 1:
+        return _rounds(codec, x, comm, finite, clock)
+    payload, ctx = codec.compress(x if finite else torch.zeros_like(x))
+    if not finite:
+        payload = _poisoned(payload)
+    clock.lap("compress")
+
+    def local() -> torch.Tensor:
+        return codec.decompress(payload, ctx)
+
+    if type(codec).summable:
+        return _allreduce(payload, comm, clock, lambda summed: (codec.decompress(summed, ctx), local))
+    return _allgather(codec, payload, ctx, x, comm, clock, local)
+
+
+def allreduce_sent_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a bandwidth-optimal (ring) allreduce of `nbytes`: 2(n-1)/n m."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+def allgather_sent_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring allgather of `nbytes` per rank: (n-1) m."""
+    return (world_size - 1) * nbytes
+
+
+def _plain(x: torch.Tensor, comm: Comm, clock: _Clock) -> Future[Exchanged]:
+    nbytes = x.numel() * x.element_size()
+
+    def done(future: Future[torch.Tensor]) -> Exchanged:
+        clock.lap("communicate")
+        total = future.value()
+        return Exchanged(total, lambda: x, True, nbytes, allreduce_sent_bytes(nbytes, comm.world_size), clock.seconds)
+
+    return comm.allreduce(x).then(done)
+
+
+def _allreduce(
+    payload: Payload,
+    comm: Comm,
+    clock: _Clock,
+    decode: Callable[[Payload], tuple[torch.Tensor, Local]],
+    spent: tuple[int, int] = (0, 0),
+) -> Future[Exchanged]:
+    """Sum the payload over ranks; `decode` turns the summed payload into (total, local)."""
+    # The frame is a copy: error feedback decodes the unsummed payload after the exchange.
+    frame = torch.cat([t.reshape(-1) for t in payload])
+    payload_bytes = spent[0] + frame.nbytes
+    sent = spent[1] + allreduce_sent_bytes(frame.nbytes, comm.world_size)
+
+    def done(future: Future[torch.Tensor]) -> Exchanged:
+        clock.lap("communicate")
+        summed_frame = future.value()
+        if not _all_finite((summed_frame,)):
+            return Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds)
+        total, local = decode(_split(summed_frame, payload))
+        clock.lap("decompress")
+        return Exchanged(total, local, True, payload_bytes, sent, clock.seconds)
+
+    return comm.allreduce(frame).then(done)
+
+
+def _allgather(
+    codec: Compressor,
+    payload: Payload,
+    ctx: object,
+    like: torch.Tensor,
+    comm: Comm,
+    clock: _Clock,
+    local: Callable[[], torch.Tensor],
+) -> Future[Exchanged]:
+    frame = torch.cat([t.reshape(-1).view(torch.uint8) for t in payload])
+    if type(codec).fixed_size:
+        layouts = [[(t.dtype, t.shape) for t in payload]] * comm.world_size
+    else:
+        numels = allgather_sizes(comm, [t.numel() for t in payload], frame.device)
+        layouts = [[(t.dtype, (n,)) for t, n in zip(payload, row)] for row in numels]
+        longest = max(sum(_nbytes(layout)) for layout in layouts)
+        frame = torch.cat([frame, frame.new_zeros(longest - frame.numel())])
+    sent = allgather_sent_bytes(frame.numel(), comm.world_size)
+
+    def done(future: Future[list[torch.Tensor]]) -> Exchanged:
+        clock.lap("communicate")
+        payloads = [_from_bytes(f, layout) for f, layout in zip(future.value(), layouts)]
+        finite = all(_all_finite(p) for p in payloads)
+        total = None
+        if finite:
+            total = torch.zeros_like(like)
+            for rank_payload in payloads:  # rank order: the same sum on every rank
+                codec.add_decoded_(total, rank_payload, ctx)
+        clock.lap("decompress")
+        return Exchanged(total, local, finite, sum(t.nbytes for t in payload), sent, clock.seconds)
+
+    return comm.allgather(frame).then(done)
+
+
+def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, clock: _Clock) -> Future[Exchanged]:
+    """Multi-round summable protocol: every round but the last blocks, since the next depends on it."""
+    payload, ctx = codec.begin(x if finite else torch.zeros_like(x))  # type: ignore[attr-defined]
+    if not finite:
+        payload = _poisoned(payload)
+    payload_bytes = sent = 0
+    for _ in range(codec.rounds - 1):
+        clock.lap("compress")
+        frame = torch.cat([t.reshape(-1) for t in payload])
+        payload_bytes += frame.nbytes
+        sent += allreduce_sent_bytes(frame.nbytes, comm.world_size)
+        summed = _split(comm.allreduce(frame).wait(), payload)
+        clock.lap("communicate")
+        if not _all_finite(summed):
+            return completed(Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds))
+        payload, ctx = codec.next_round(summed, ctx)  # type: ignore[attr-defined]
+    clock.lap("compress")
+    finish = codec.finish  # type: ignore[attr-defined]
+    return _allreduce(payload, comm, clock, lambda summed: finish(summed, ctx), (payload_bytes, sent))
+
+
+def _not_finite() -> torch.Tensor:
+    raise AssertionError("a non-finite step has no decoded payload; feedback must not be updated")
+
+
+def _poisoned(payload: Payload) -> Payload:
+    """The payload with a NaN in its first floating-point element, which every decoder keeps."""
+    for i, t in enumerate(payload):
+        if t.is_floating_point() and t.numel():
+            poisoned = t.clone()
+            poisoned.view(-1)[0] = float("nan")
+            return (*payload[:i], poisoned, *payload[i + 1 :])
+    raise AssertionError("every payload carries a floating-point tensor to mark a non-finite step")
+
+
+def _all_finite(tensors: Payload) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def _split(frame: torch.Tensor, like: Payload) -> Payload:
+    """Cut a concatenated frame back into tensors shaped like `like`."""
+    parts = frame.split([t.numel() for t in like])
+    return tuple(part.view(t.shape) for part, t in zip(parts, like))
+
+
+def _nbytes(layout: list) -> list[int]:
+    return [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in layout]
+
+
+def _from_bytes(frame: torch.Tensor, layout: list) -> Payload:
+    tensors = []
+    offset = 0
+    for (dtype, shape), nbytes in zip(layout, _nbytes(layout)):
+        chunk = frame[offset : offset + nbytes]
+        if offset % dtype.itemsize:
+            chunk = chunk.clone()  # a misaligned slice cannot be viewed as a wider type
+        tensors.append(chunk.view(dtype).view(shape))
+        offset += nbytes
+    return tuple(tensors)
+
+
+class _Clock:
+    """Wall time per phase; a phase ends at each lap."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now

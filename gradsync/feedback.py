@@ -1,0 +1,166 @@
+"""Error feedback: what each compression point remembers of what compression lost.
+
+One Feedback object per compression point (per DDP bucket). A step with feedback is:
+
+    p = fb.prepare(g)                  # what to compress
+    ... compress p, exchange, decode ...
+    out = fb.update(g, p, local, total)
+
+where `local` is this rank's own decoded payload (a function, called only by forms that need
+it) and `total` the decoded sum over ranks, bit-identical on every rank. `update` changes the
+memory and returns the gradient to apply. The caller calls `update` only for steps whose
+gradients were finite on every rank, so non-finite values never enter a memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from . import registry
+
+Local = Callable[[], torch.Tensor]
+
+
+class Feedback:
+    """No memory: the decoded average is the gradient."""
+
+    uses_local: ClassVar[bool] = False  # whether update() calls `local`
+
+    def prepare(self, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+    def update(self, g: torch.Tensor, p: torch.Tensor, local: Local, total: torch.Tensor) -> torch.Tensor:
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: _copy(value) for name, value in vars(self).items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = set(vars(self))
+        if set(state) != expected:
+            raise ValueError(
+                f"{type(self).__name__} state has keys {sorted(state)}, expected {sorted(expected)}: "
+                "the checkpoint was made with another error_feedback setting"
+            )
+        for name, value in state.items():
+            setattr(self, name, _copy(value))
+
+    def _memory(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The named memory, zero on first use and on the device of `like`."""
+        value = getattr(self, name)
+        if value is None:
+            value = torch.zeros_like(like)
+        elif value.shape != like.shape:
+            raise ValueError(
+                f"{type(self).__name__} memory {name!r} has shape {tuple(value.shape)} but the "
+                f"gradient has {tuple(like.shape)}: the state belongs to another bucket layout"
+            )
+        elif value.device != like.device or value.dtype != like.dtype:
+            value = value.to(like.device, like.dtype)
+        setattr(self, name, value)
+        return value
+
+
+class NoFeedback(Feedback):
+    """Sends C(g); the step is the mean of the decoded payloads."""
+
+
+class ErrorFeedback(Feedback):
+    """Residual error feedback (Seide et al., "1-Bit Stochastic Gradient Descent", Interspeech
+    2014; Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019).
+
+    p = g + e; send C(p); e <- p - decoded(C(p)). So g + e_old == decoded + e_new: nothing is lost,
+    only delayed.
+    """
+
+    uses_local = True
+
+    def __init__(self) -> None:
+        self.error: torch.Tensor | None = None
+
+    def prepare(self, g: torch.Tensor) -> torch.Tensor:
+        return g + self._memory("error", g)
+
+    def update(self, g: torch.Tensor, p: torch.Tensor, local: Local, total: torch.Tensor) -> torch.Tensor:
+        self.error = p - local()
+        return total
+
+
+class EF21(Feedback):
+    """EF21 (Richtarik, Sokolov, Fatkhullin, "EF21: A New, Simpler, Theoretically Better, and
+    Practically Faster Error Feedback", NeurIPS 2021).
+
+    Each rank keeps h_i and sends C(g_i - h_i); h_i <- h_i + decoded. Every rank mirrors the mean
+    h = mean_i h_i by adding the decoded average, and the step uses h.
+    """
+
+    uses_local = True
+
+    def __init__(self) -> None:
+        self.h_local: torch.Tensor | None = None
+        self.h_mean: torch.Tensor | None = None
+
+    def prepare(self, g: torch.Tensor) -> torch.Tensor:
+        return g - self._memory("h_local", g)
+
+    def update(self, g: torch.Tensor, p: torch.Tensor, local: Local, total: torch.Tensor) -> torch.Tensor:
+        self._memory("h_local", g).add_(local())
+        h_mean = self._memory("h_mean", g).add_(total)
+        return h_mean.clone()  # the caller may hand the result to DDP, which can alias it
+
+
+class EControl(Feedback):
+    """EControl (Gao, Islamov, Stich, "EControl: Fast Distributed Optimization with Compression
+    and Error Control", ICLR 2024).
+
+    Delta_i = C(eta * e_i + g_i - h_i); e_i <- e_i + g_i - h_i - Delta_i; h_i <- h_i + Delta_i.
+    The step is mean h before the update + mean Delta, i.e. the updated mean h. With eta = 0
+    it is exactly EF21; theory sets eta on the order of delta / 400, and eta = delta works in
+    practice, while large eta diverges.
+    """
+
+    uses_local = True
+
+    def __init__(self, eta: float = 0.01) -> None:
+        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+            raise ValueError(f"eta={eta!r} is out of range [0, 1]; try the compressor's delta, e.g. 0.01")
+        self.eta = float(eta)
+        self.error: torch.Tensor | None = None
+        self.h_local: torch.Tensor | None = None
+        self.h_mean: torch.Tensor | None = None
+
+    def prepare(self, g: torch.Tensor) -> torch.Tensor:
+        innovation = g - self._memory("h_local", g)
+        return innovation.add_(self._memory("error", g), alpha=self.eta)
+
+    def update(self, g: torch.Tensor, p: torch.Tensor, local: Local, total: torch.Tensor) -> torch.Tensor:
+        delta = local()
+        h_local = self._memory("h_local", g)
+        self.error = self._memory("error", g) + (g - h_local) - delta
+        h_local.add_(delta)
+        h_mean = self._memory("h_mean", g).add_(total)
+        return h_mean.clone()
+
+
+REGISTRY: dict[str, type[Feedback]] = {
+    "none": NoFeedback,
+    "ef": ErrorFeedback,
+    "ef21": EF21,
+    "econtrol": EControl,
+}
+
+
+def names() -> list[str]:
+    return list(REGISTRY)
+
+
+def build(name: str, **params: Any) -> Feedback:
+    """Construct the error-feedback form registered as `name` (errors as compress.build)."""
+    return registry.construct(REGISTRY, "error_feedback", name, params)
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,37 @@
+"""Name -> class lookup shared by the compressor and error-feedback tables."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def lookup(table: Mapping[str, type[T]], kind: str, name: str) -> type[T]:
+    """The class registered as `name`; KeyError listing the valid names otherwise."""
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise KeyError(f"unknown {kind} {name!r}; available: {', '.join(table)}") from None
+
+
+def parameters(cls: type) -> dict[str, Any]:
+    """Constructor parameters of `cls` with their defaults (empty for a class without any)."""
+    if cls.__init__ is object.__init__:
+        return {}
+    signature = inspect.signature(cls.__init__)
+    return {p.name: p.default for p in list(signature.parameters.values())[1:]}
+
+
+def construct(table: Mapping[str, type[T]], kind: str, name: str, params: Mapping[str, Any]) -> T:
+    """Build `name` from `params`; TypeError listing the valid parameters for an unknown one."""
+    cls = lookup(table, kind, name)
+    valid = sorted(parameters(cls))
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise TypeError(
+            f"{kind} {name!r} got unknown parameter(s) {unknown}; valid parameters: {valid or 'none'}"
+        )
+    return cls(**params)
