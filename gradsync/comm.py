@@ -84,7 +84,7 @@ def allgather_bytes(comm: Comm, data: torch.Tensor) -> list[torch.Tensor]:
     padded = data.new_zeros(max(sizes))
     padded[: data.numel()] = data
     gathered = comm.allgather(padded).wait()
-    return [chunk[:size] for chunk, size in zip(gathered, sizes)]
+    return [chunk[:size] for chunk, size in zip(gathered, sizes, strict=True)]
 
 
 def allgather_object(comm: Comm, obj: Any, device: torch.device) -> list[Any]:

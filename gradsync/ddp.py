@@ -6,7 +6,7 @@ No `from __future__ import annotations` here: DDP checks the hook's annotations 
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ class SyncState:
         # -- hyperparameters
         self.config = config
         # -- the ranks to average over (not pickled)
-        self.comm: Optional[Comm] = comm
+        self.comm: Comm | None = comm
         # -- internal state
         self.step = 0  # training steps whose last bucket reached the hook
         self.points: dict[int, CompressionPoint] = {}  # by DDP bucket index
@@ -128,7 +128,7 @@ class SyncState:
         step: int,
         bucket_index: int,
         buffer: torch.Tensor,
-        compressed: Optional[tuple[CompressionPoint, torch.Tensor]],
+        compressed: tuple[CompressionPoint, torch.Tensor] | None,
     ) -> torch.Tensor:
         if not result.finite:
             out = torch.full_like(buffer, math.nan)  # AMP's GradScaler then skips the step
@@ -194,7 +194,7 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return state.sync(bucket.buffer(), bucket.index(), bucket.is_last())
 
 
-def register(model: DistributedDataParallel, config: Optional[SyncConfig] = None) -> SyncState:
+def register(model: DistributedDataParallel, config: SyncConfig | None = None) -> SyncState:
     """Install gradsync's communication hook on a DDP model and return its state.
 
     Call it once, on every rank, before the first backward pass, with the same config.

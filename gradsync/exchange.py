@@ -82,8 +82,8 @@ def _plain(x: torch.Tensor, comm: Comm, clock: _Clock) -> Future[Exchanged]:
 
     def done(future: Future[torch.Tensor]) -> Exchanged:
         clock.lap("communicate")
-        total = future.value()
-        return Exchanged(total, lambda: x, True, nbytes, allreduce_sent_bytes(nbytes, comm.world_size), clock.seconds)
+        sent = allreduce_sent_bytes(nbytes, comm.world_size)
+        return Exchanged(future.value(), lambda: x, True, nbytes, sent, clock.seconds)
 
     return comm.allreduce(x).then(done)
 
@@ -127,14 +127,14 @@ def _allgather(
         layouts = [[(t.dtype, t.shape) for t in payload]] * comm.world_size
     else:
         numels = allgather_sizes(comm, [t.numel() for t in payload], frame.device)
-        layouts = [[(t.dtype, (n,)) for t, n in zip(payload, row)] for row in numels]
+        layouts = [[(t.dtype, (n,)) for t, n in zip(payload, row, strict=True)] for row in numels]
         longest = max(sum(_nbytes(layout)) for layout in layouts)
         frame = torch.cat([frame, frame.new_zeros(longest - frame.numel())])
     sent = allgather_sent_bytes(frame.numel(), comm.world_size)
 
     def done(future: Future[list[torch.Tensor]]) -> Exchanged:
         clock.lap("communicate")
-        payloads = [_from_bytes(f, layout) for f, layout in zip(future.value(), layouts)]
+        payloads = [_from_bytes(f, layout) for f, layout in zip(future.value(), layouts, strict=True)]
         finite = all(_all_finite(p) for p in payloads)
         total = None
         if finite:
@@ -189,7 +189,7 @@ def _all_finite(tensors: Payload) -> bool:
 def _split(frame: torch.Tensor, like: Payload) -> Payload:
     """Cut a concatenated frame back into tensors shaped like `like`."""
     parts = frame.split([t.numel() for t in like])
-    return tuple(part.view(t.shape) for part, t in zip(parts, like))
+    return tuple(part.view(t.shape) for part, t in zip(parts, like, strict=True))
 
 
 def _nbytes(layout: list) -> list[int]:
@@ -199,7 +199,7 @@ def _nbytes(layout: list) -> list[int]:
 def _from_bytes(frame: torch.Tensor, layout: list) -> Payload:
     tensors = []
     offset = 0
-    for (dtype, shape), nbytes in zip(layout, _nbytes(layout)):
+    for (dtype, shape), nbytes in zip(layout, _nbytes(layout), strict=True):
         chunk = frame[offset : offset + nbytes]
         if offset % dtype.itemsize:
             chunk = chunk.clone()  # a misaligned slice cannot be viewed as a wider type

@@ -1,0 +1,34 @@
+# Set-up and the two commands. Every target creates .venv if it is missing and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+# torch==2.13.0 installs the CPU build here; override for another build, e.g. TORCH_SPEC='torch==2.13.0+cu128'.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all lint clean
+
+demo: $(STAMP)
+	$(BIN)/python -m gradsync demo
+
+test: $(STAMP)
+	$(BIN)/ruff check gradsync tests
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Everything, long runs (convergence, benchmarks) included.
+test-all: $(STAMP)
+	$(BIN)/ruff check gradsync tests
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check gradsync tests
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
