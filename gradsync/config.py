@@ -53,7 +53,7 @@ class SyncConfig:
         _check_int("warmup_steps", self.warmup_steps, 2, "DDP rebuilds its buckets after the first step")
         _check_int("min_compress_numel", self.min_compress_numel, 0, "a count of elements")
         _check_int("seed", self.seed, 0, "a non-negative integer", hi=_SEED_BOUND)
-        if self.error_feedback == "none" and not type(codec).unbiased and self.compressor != "identity":
+        if self.error_feedback == "none" and type(codec).needs_feedback:
             warnings.warn(
                 f"compressor {self.compressor!r} is biased and error_feedback='none': what it drops is "
                 "lost for good, which usually costs accuracy; use error_feedback='ef'",
@@ -93,6 +93,9 @@ class ReadOnlyDict(dict):
 
     def __reduce__(self) -> tuple:
         return (type(self), (dict(self),))
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=repr))
 
 
 def _check_int(name: str, value: Any, lo: int, why: str, hi: int | None = None) -> None:

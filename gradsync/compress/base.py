@@ -27,6 +27,8 @@ class Compressor:
                  "local": an independent stream per rank.
       rounds     > 1: a multi-round summable protocol (PowerSGD) driven by the exchange layer
                  through begin / next_round / finish instead of one compress.
+      needs_feedback  biased and lossy enough that, without error feedback, what it drops is lost
+                 for good (top-k, sign, ...); casts and unbiased codecs are not.
     """
 
     summable: ClassVar[bool] = False
@@ -34,6 +36,7 @@ class Compressor:
     fixed_size: ClassVar[bool] = True
     randomness: ClassVar[str] = "none"
     rounds: ClassVar[int] = 1
+    needs_feedback: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")

@@ -27,6 +27,7 @@ class PowerSGD(SeededCompressor):
     """
 
     randomness = "shared"
+    needs_feedback = True
     rounds = 2
 
     def __init__(self, rank: int = 1, warm_start: bool = True, seed: int = 0) -> None:

@@ -44,9 +44,12 @@ class QSGD(SeededCompressor):
         numel = flat.numel()
         buckets = self._as_buckets(flat)
         norms = buckets.norm(dim=1) if self.norm == "l2" else buckets.abs().amax(dim=1)
-        # A zero bucket has a zero norm: dividing by a tiny number keeps its levels at zero.
-        per_norm = self.levels / norms.clamp_min(torch.finfo(torch.float32).tiny)
-        scaled = buckets.abs().mul_(per_norm.unsqueeze(1))  # in [0, levels]
+        # A zero bucket has a zero norm: dividing by a tiny number keeps its levels at zero. Divide
+        # |v_i| by the norm before multiplying by levels: levels / tiny overflows to inf (levels
+        # >= 4), and 0 * inf is NaN. The clamp: a level above s, were rounding to push |v_i| / norm
+        # past 1, would leave the grid, and its negative code would wrap around in uint8.
+        divisor = norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+        scaled = buckets.abs().div_(divisor).mul_(self.levels).clamp_(max=self.levels)  # in [0, s]
         lower = scaled.floor()
         noise = torch.rand(scaled.shape, generator=self.generator(x.device), device=x.device)
         levels = lower.add_(noise < scaled.sub_(lower))  # round up with probability frac

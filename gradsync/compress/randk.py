@@ -26,6 +26,7 @@ class RandK(SeededCompressor):
 
     summable = True
     randomness = "shared"
+    needs_feedback = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
         super().__init__(seed)
@@ -58,6 +59,8 @@ class RandK(SeededCompressor):
     def _support(self, numel: int, device: torch.device) -> torch.Tensor:
         """k distinct indices, sorted for memory locality, uniform over all k-subsets."""
         k = count_for(numel, self.ratio)
+        if k == 0:  # an empty tensor: nothing to draw, and k / numel below would divide by zero
+            return torch.empty(0, dtype=torch.long, device=device)
         generator = self.generator(device)
         if k > _DENSE_SUPPORT * numel:
             return torch.randperm(numel, generator=generator, device=device)[:k].sort().values

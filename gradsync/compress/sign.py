@@ -19,6 +19,8 @@ class EFSignSGD(Compressor):
     payloads are not summable: exchanged by allgather.
     """
 
+    needs_feedback = True
+
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)
         scale = flat.abs().sum(dtype=torch.float32).div_(max(1, flat.numel())).reshape(1)

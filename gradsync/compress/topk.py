@@ -36,6 +36,7 @@ class TopK(SeededCompressor):
     """
 
     randomness = "local"
+    needs_feedback = True
 
     def __init__(
         self, ratio: float = 0.01, mode: str = "exact", sample_ratio: float = 0.01, seed: int = 0
@@ -71,6 +72,8 @@ class TopK(SeededCompressor):
 
     def _sampled_topk(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         numel = flat.numel()
+        if k == 0:  # an empty tensor: randint below cannot sample from nothing
+            return torch.empty(0, dtype=torch.long, device=flat.device)
         magnitude = flat.abs()
         num_samples = min(numel, max(_MIN_SAMPLE, int(numel * self.sample_ratio)))
         generator = self.generator(flat.device)

@@ -1,0 +1,607 @@
+"""The Compressor contract, checked over the whole registry, and each codec's own guarantees.
+
+Cases are generated from compress.names(), so a newly registered codec is covered at once; a few
+non-default argument sets exercise the other code paths (sampled top-k, the dense rand-k support,
+odd QSGD widths and buckets that do not divide numel, PowerSGD of rank > 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from gradsync import compress
+from gradsync.compress.base import count_for
+from gradsync.wire import unpack_bits
+
+Case = tuple[str, dict[str, Any]]
+
+DEFAULT_CASES: list[Case] = [(name, {}) for name in compress.names()]
+EXTRA_CASES: list[Case] = [
+    ("topk", {"ratio": 0.1, "mode": "sampled"}),
+    ("topk", {"ratio": 0.3}),
+    ("randk", {"ratio": 0.1}),
+    ("randk", {"ratio": 0.75}),  # above half the entries: the permutation path
+    ("qsgd", {"levels": 1}),
+    ("qsgd", {"levels": 3, "bucket_size": 100}),
+    ("qsgd", {"levels": 127}),
+    ("qsgd", {"norm": "l2", "bucket_size": 333}),
+    ("powersgd", {"rank": 2}),
+    ("powersgd", {"rank": 4, "warm_start": False}),
+]
+CASES = DEFAULT_CASES + EXTRA_CASES
+
+
+def case_id(case: Case) -> str:
+    name, args = case
+    return "-".join([name, *(f"{k}={v}" for k, v in args.items())])
+
+
+def make(case: Case, seed: int = 0) -> compress.Compressor:
+    """The codec of `case`; `seed` goes to codecs that take one."""
+    name, args = case
+    if "seed" in compress.parameters(name):
+        args = {**args, "seed": seed}
+    return compress.build(name, **args)
+
+
+def cls(case: Case) -> type[compress.Compressor]:
+    return compress.lookup(case[0])
+
+
+def rank_seed(case: Case, rank: int) -> int:
+    """The seed a rank's codec gets: one for all ranks on a shared stream, its own otherwise."""
+    return 7 if cls(case).randomness == "shared" else 7 + rank
+
+
+def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def round_trip(codec: compress.Compressor, x: torch.Tensor) -> torch.Tensor:
+    payload, ctx = codec.compress(x)
+    return codec.decompress(payload, ctx)
+
+
+def payloads_equal(a: compress.Payload, b: compress.Payload) -> bool:
+    return len(a) == len(b) and all(
+        s.dtype == t.dtype and torch.equal(s, t) for s, t in zip(a, b, strict=True)
+    )
+
+
+CASE_PARAMS = pytest.mark.parametrize("case", CASES, ids=case_id)
+SUMMABLE = [c for c in CASES if cls(c).summable]
+UNBIASED = [c for c in CASES if cls(c).unbiased]
+BIASED = [c for c in CASES if not cls(c).unbiased]
+FIXED_SIZE = [c for c in CASES if cls(c).fixed_size]
+# Codecs whose payloads depend on state: drawn random numbers or a warm start (exact top-k has a
+# seed but draws nothing).
+STATEFUL = [c for c in CASES if cls(c).randomness != "none" and not (c[0] == "topk" and "mode" not in c[1])]
+
+
+# -- the registry ------------------------------------------------------------------------------
+
+
+def test_registry_is_not_empty_and_covers_the_extra_cases() -> None:
+    assert compress.names()
+    assert compress.names() == list(compress.REGISTRY)
+    assert {name for name, _ in EXTRA_CASES} <= set(compress.names())
+
+
+@pytest.mark.parametrize("name", compress.names())
+def test_every_registered_codec_builds_with_its_defaults_and_declares_valid_flags(name: str) -> None:
+    codec = compress.build(name)
+    kind = type(codec)
+    assert isinstance(codec, compress.Compressor)
+    assert kind is compress.lookup(name)
+    assert isinstance(kind.summable, bool)
+    assert isinstance(kind.unbiased, bool)
+    assert isinstance(kind.fixed_size, bool)
+    assert kind.randomness in ("none", "shared", "local")
+    assert isinstance(kind.rounds, int)
+    assert kind.rounds >= 1
+    # A codec that draws random numbers must take the seed the hook derives per bucket and rank.
+    assert ("seed" in compress.parameters(name)) == (kind.randomness != "none")
+    if kind.rounds > 1:  # the exchange layer drives multi-round codecs through these
+        assert all(callable(getattr(codec, m, None)) for m in ("begin", "next_round", "finish"))
+
+
+# -- round trip, payload size, decoding --------------------------------------------------------
+
+FP32_SHAPES = [(1,), (7,), (1000,), (4097,), (33, 17), (2, 3, 5), (), (0,)]
+ROUND_TRIPS = [(shape, torch.float32) for shape in FP32_SHAPES] + [
+    (shape, dtype) for shape in [(7,), (33, 17)] for dtype in (torch.float16, torch.bfloat16, torch.float64)
+]
+
+
+@CASE_PARAMS
+@pytest.mark.parametrize(("shape", "dtype"), ROUND_TRIPS, ids=[f"{s}-{str(d)[6:]}" for s, d in ROUND_TRIPS])
+def test_round_trip_keeps_shape_dtype_and_finiteness(
+    case: Case, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    x = randn(*shape, dtype=dtype)
+    y = round_trip(make(case), x)
+    assert y.shape == x.shape
+    assert y.dtype == x.dtype
+    assert y.device == x.device
+    assert bool(torch.isfinite(y).all())
+
+
+@CASE_PARAMS
+def test_compress_leaves_its_input_unchanged(case: Case) -> None:
+    x = randn(33, 17)
+    original = x.clone()
+    codec = make(case)
+    payload, ctx = codec.compress(x)
+    codec.decompress(payload, ctx)
+    assert torch.equal(x, original)
+
+
+@CASE_PARAMS
+@pytest.mark.parametrize("numel", (0, 1, 7, 8, 9, 511, 513, 100003))
+def test_payload_bytes_equals_the_bytes_of_the_payload(case: Case, numel: int) -> None:
+    payload, _ = make(case).compress(randn(numel))
+    assert all(isinstance(t, torch.Tensor) for t in payload)
+    assert make(case).payload_bytes(numel) == sum(t.nbytes for t in payload)
+
+
+@pytest.mark.parametrize("case", FIXED_SIZE, ids=case_id)
+def test_fixed_size_payload_layout_depends_only_on_numel(case: Case) -> None:
+    a = randn(1200, seed=1)
+    b = randn(30, 40, seed=2) * 100
+    b[:7] = 0
+    layout_a = [(t.dtype, t.shape) for t in make(case).compress(a)[0]]
+    layout_b = [(t.dtype, t.shape) for t in make(case, seed=3).compress(b)[0]]
+    assert layout_a == layout_b
+
+
+@CASE_PARAMS
+def test_add_decoded_adds_exactly_the_decoded_payload(case: Case) -> None:
+    codec = make(case)
+    payload, ctx = codec.compress(randn(40, 25, seed=1))
+    out = randn(40, 25, seed=2)
+    expected = out + codec.decompress(payload, ctx)
+    codec.add_decoded_(out, payload, ctx)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@CASE_PARAMS
+def test_a_payload_decodes_identically_with_another_ranks_ctx(case: Case) -> None:
+    # ctx holds only what every rank knows, so rank 1 can decode rank 0's payload with its own.
+    rank0, rank1 = make(case, rank_seed(case, 0)), make(case, rank_seed(case, 1))
+    payload0, ctx0 = rank0.compress(randn(2000, seed=1))
+    _, ctx1 = rank1.compress(randn(2000, seed=2))
+    assert torch.equal(rank0.decompress(payload0, ctx1), rank0.decompress(payload0, ctx0))
+    assert torch.equal(rank1.decompress(payload0, ctx1), rank0.decompress(payload0, ctx0))
+
+
+# -- summable and unbiased codecs -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", SUMMABLE, ids=case_id)
+def test_summable_codecs_decode_summed_payloads_to_the_sum_of_decodings(case: Case) -> None:
+    world_size = 3
+    codecs = [make(case, rank_seed(case, r)) for r in range(world_size)]
+    compressed = [c.compress(randn(3001, seed=r)) for r, c in enumerate(codecs)]
+    payloads = [p for p, _ in compressed]
+    summed = tuple(
+        sum(parts[1:], parts[0]) for parts in zip(*payloads, strict=True)
+    )  # elementwise, like allreduce
+    ctx = compressed[0][1]
+    decoded_sum = codecs[0].decompress(summed, ctx)
+    decodings = [c.decompress(p, ctx) for c, (p, _) in zip(codecs, compressed, strict=True)]
+    sum_of_decodings = decodings[0] + decodings[1] + decodings[2]
+    wire_dtypes = {t.dtype for t in payloads[0]}
+    if wire_dtypes == {torch.float32}:
+        assert torch.equal(decoded_sum, sum_of_decodings)
+    else:
+        # Each of the two additions in the wire type rounds by at most eps / 2 of a partial sum.
+        (wire_dtype,) = wire_dtypes
+        bound = torch.finfo(wire_dtype).eps * sum(d.abs() for d in decodings)
+        assert bool(((decoded_sum - sum_of_decodings).abs() <= bound).all())
+
+
+def test_identity_decodes_summed_payloads_to_the_exact_sum_of_inputs() -> None:
+    codec = compress.build("identity")
+    xs = [randn(4097, seed=r) for r in range(3)]
+    compressed = [codec.compress(x) for x in xs]
+    summed = (compressed[0][0][0] + compressed[1][0][0] + compressed[2][0][0],)
+    assert torch.equal(codec.decompress(summed, compressed[0][1]), xs[0] + xs[1] + xs[2])
+
+
+def bias_statistic(codec: compress.Compressor, x: torch.Tensor, draws: int) -> float:
+    """||mean of draws - x||^2 divided by its expectation for an unbiased codec, sum(var) / draws.
+
+    Close to 1 for an unbiased codec (the sum over ~1000 coordinates concentrates); a bias b adds
+    draws * ||b||^2 / sum(var), which grows with the number of draws.
+    """
+    samples = torch.stack([round_trip(codec, x).double() for _ in range(draws)])
+    squared_error = float(((samples.mean(0) - x.double()) ** 2).sum())
+    variance_of_mean = float(samples.var(0).sum()) / draws
+    if variance_of_mean == 0:  # a deterministic codec is unbiased only if it is exact
+        return 0.0 if squared_error == 0 else math.inf
+    return squared_error / variance_of_mean
+
+
+DRAWS = 400
+UNBIASED_BOUND = 1.5  # observed 0.9-1.1 over seeds; a 2 % scale bias gives about 4
+
+
+@pytest.mark.parametrize("case", UNBIASED, ids=case_id)
+def test_unbiased_codecs_monte_carlo_mean_converges_to_the_input(case: Case) -> None:
+    x = randn(1000, seed=11)
+    assert bias_statistic(make(case, seed=5), x, DRAWS) < UNBIASED_BOUND
+
+
+def test_the_unbiasedness_check_detects_a_two_percent_bias() -> None:
+    qsgd = compress.lookup("qsgd")
+
+    class ScaledQSGD(qsgd):  # type: ignore[misc, valid-type]
+        def decompress(self, payload: compress.Payload, ctx: Any) -> torch.Tensor:
+            return super().decompress(payload, ctx) * 1.02
+
+    x = randn(1000, seed=11)
+    assert bias_statistic(qsgd(seed=5), x, DRAWS) < UNBIASED_BOUND
+    assert bias_statistic(ScaledQSGD(seed=5), x, DRAWS) > UNBIASED_BOUND
+
+
+@pytest.mark.parametrize("case", BIASED, ids=case_id)
+def test_codecs_declared_biased_fail_the_unbiasedness_check(case: Case) -> None:
+    # Guards the flag in the other direction: a codec that is in fact unbiased should say so.
+    x = randn(1000, seed=11)
+    assert bias_statistic(make(case, seed=5), x, 100) > UNBIASED_BOUND
+
+
+def test_qsgd_error_of_the_mean_shrinks_like_one_over_sqrt_of_draws() -> None:
+    x = randn(1000, seed=12)
+
+    def error_of_mean(draws: int) -> float:
+        codec = compress.build("qsgd", seed=draws)
+        mean = torch.stack([round_trip(codec, x) for _ in range(draws)]).mean(0)
+        return float((mean - x).norm())
+
+    ratio = error_of_mean(64) / error_of_mean(1024)  # sqrt(1024 / 64) = 4; observed 3.8-4.1
+    assert 3 < ratio < 5.3
+
+
+# -- top-k -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ("exact", "sampled"))
+@pytest.mark.parametrize("numel", (1, 7, 1000, 100003))
+@pytest.mark.parametrize("ratio", (0.001, 0.01, 0.3, 1.0))
+def test_topk_error_is_bounded_by_one_minus_k_over_d(mode: str, numel: int, ratio: float) -> None:
+    codec = compress.build("topk", ratio=ratio, mode=mode)
+    for x in (randn(numel, seed=numel), torch.ones(numel)):  # ones: the bound is met with equality
+        y = round_trip(codec, x)
+        k = count_for(numel, ratio)
+        error = float(((y.double() - x.double()) ** 2).sum())
+        bound = (1 - k / numel) * float((x.double() ** 2).sum())
+        assert error <= bound * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("mode", ("exact", "sampled"))
+def test_topk_keeps_the_largest_magnitudes_unscaled(mode: str) -> None:
+    x = randn(5000, seed=3)
+    codec = compress.build("topk", ratio=0.02, mode=mode)
+    (indices, values), _ = codec.compress(x)
+    kept = torch.zeros(5000, dtype=torch.bool)
+    kept[indices.long()] = True
+    assert torch.equal(values, x[indices.long()])
+    assert float(x[kept].abs().min()) >= float(x[~kept].abs().max())
+
+
+@pytest.mark.parametrize(
+    ("numel", "ratio", "sample_ratio"),
+    [(100003, 0.01, 0.01), (100000, 0.001, 0.01), (5000, 0.1, 0.01), (300, 0.3, 0.5), (50000, 0.05, 0.2)],
+)
+def test_topk_sampled_keeps_exactly_k_with_the_magnitudes_of_exact(
+    numel: int, ratio: float, sample_ratio: float
+) -> None:
+    x = randn(numel, seed=numel)
+    exact = compress.build("topk", ratio=ratio)
+    sampled = compress.build("topk", ratio=ratio, mode="sampled", sample_ratio=sample_ratio, seed=1)
+    (_, exact_values), _ = exact.compress(x)
+    (sampled_indices, sampled_values), _ = sampled.compress(x)
+    k = count_for(numel, ratio)
+    assert sampled_indices.numel() == k
+    assert sampled_indices.unique().numel() == k
+    assert torch.equal(sampled_values.abs().sort().values, exact_values.abs().sort().values)
+
+
+def test_topk_sampled_lowers_its_threshold_when_the_sample_finds_too_few(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gradsync.compress.topk as topk_module
+
+    # Aim for far fewer candidates than k, so the first thresholds admit too few and must drop.
+    monkeypatch.setattr(topk_module, "_OVERSELECT", 0.05)
+    x = randn(100000, seed=4)
+    exact = compress.build("topk", ratio=0.01)
+    sampled = compress.build("topk", ratio=0.01, mode="sampled", seed=2)
+    (_, exact_values), _ = exact.compress(x)
+    (sampled_indices, sampled_values), _ = sampled.compress(x)
+    assert sampled_indices.unique().numel() == 1000
+    assert torch.equal(sampled_values.abs().sort().values, exact_values.abs().sort().values)
+
+
+# -- sign, QSGD, PowerSGD, rand-k --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (1001,), (33, 17)])
+def test_efsignsgd_decodes_to_mean_magnitude_times_sign(shape: tuple[int, ...]) -> None:
+    x = randn(*shape, seed=5)
+    x.view(-1)[::3] = 0  # sign(0) decodes to +1
+    y = round_trip(compress.build("efsignsgd"), x)
+    scale = x.abs().sum() / x.numel()
+    expected = torch.where(x >= 0, scale, -scale)
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("levels", (1, 3, 7, 127))
+@pytest.mark.parametrize("norm", ("max", "l2"))
+@pytest.mark.parametrize("bucket_size", (1, 100, 512))
+def test_qsgd_codes_are_in_range_and_values_lie_on_the_level_grid(
+    levels: int, norm: str, bucket_size: int
+) -> None:
+    numel = 1000
+    x = randn(numel, seed=levels)
+    x[200:300] = 0  # whole zero buckets (for bucket_size 100) decode to zero, not NaN
+    codec = compress.build("qsgd", levels=levels, norm=norm, bucket_size=bucket_size, seed=1)
+    (packed, norms), ctx = codec.compress(x)
+    assert codec.bits == math.ceil(math.log2(2 * levels + 1))
+    codes = unpack_bits(packed, codec.bits, numel)
+    assert int(codes.max()) <= 2 * levels
+    y = codec.decompress((packed, norms), ctx)
+    assert bool(torch.isfinite(y).all())
+    scale = (norms / levels).repeat_interleave(bucket_size)[:numel]
+    level = torch.where(scale > 0, y / scale, torch.zeros_like(y))
+    assert bool((level - level.round()).abs().max() < 1e-3)
+    level = level.round()
+    assert bool((level.abs() <= levels).all())
+    assert bool((level == codes.float() - levels).all())
+    assert bool((level * x >= 0).all())  # never the opposite sign
+    # Stochastic rounding picks one of the two levels around s |x| / norm.
+    exact_level = torch.where(scale > 0, x.abs() / scale, torch.zeros_like(x))
+    assert bool(((level.abs() - exact_level).abs() < 1 + 1e-4).all())
+    assert bool((y[200:300] == 0).all())
+
+
+def test_qsgd_never_rounds_the_bucket_maximum_past_the_top_level() -> None:
+    # |v| * (s / |v|) rounds to just above s for some v; rounding up from there once gave
+    # level s + 1, whose negative code wrapped around in uint8 to a large positive level.
+    levels = 127
+    candidates = torch.rand(100000, generator=torch.Generator().manual_seed(6)) + 0.5
+    overshoot = candidates * (levels / candidates) - levels
+    v = float(candidates[overshoot.argmax()])
+    assert float(overshoot.max()) > 0  # such a v exists
+    x = torch.full((1_000_000,), -v)
+    codec = compress.build("qsgd", levels=levels, bucket_size=1, seed=1)
+    (packed, norms), ctx = codec.compress(x)
+    codes = unpack_bits(packed, codec.bits, x.numel())
+    assert int(codes.max()) <= 2 * levels
+    assert bool((codec.decompress((packed, norms), ctx) < 0).all())
+
+
+def powersgd_dims(numel: int) -> tuple[int, int]:
+    rows = math.ceil(math.sqrt(numel))
+    return rows, -(-numel // rows)
+
+
+@pytest.mark.parametrize("numel", (1, 7, 16, 20, 101))
+def test_powersgd_of_full_rank_reconstructs_its_input(numel: int) -> None:
+    rows, cols = powersgd_dims(numel)
+    codec = compress.build("powersgd", rank=min(rows, cols), seed=1)
+    x = randn(numel, seed=numel)
+    for _ in range(2):  # the warm-started second step too
+        torch.testing.assert_close(round_trip(codec, x), x, rtol=0, atol=1e-4 * float(x.abs().max()))
+
+
+def test_powersgd_reconstructs_a_square_matrix_of_rank_at_most_its_rank() -> None:
+    u, v = randn(12, 2, seed=1), randn(12, 2, seed=2)
+    x = u @ v.t()  # 144 elements: viewed as exactly this 12 x 12 matrix
+    y = round_trip(compress.build("powersgd", rank=2, seed=3), x)
+    torch.testing.assert_close(y, x, rtol=0, atol=1e-4 * float(x.abs().max()))
+    rank1 = round_trip(compress.build("powersgd", rank=1, seed=3), x)
+    assert float((rank1 - x).norm()) > 1e-2 * float(x.norm())  # rank 1 cannot: the check has teeth
+
+
+def test_powersgd_rounds_over_simulated_ranks_decode_to_the_sum_of_inputs() -> None:
+    numel, world_size = 50, 3
+    rows, cols = powersgd_dims(numel)
+    codecs = [compress.build("powersgd", rank=min(rows, cols), seed=9) for _ in range(world_size)]
+    xs = [randn(numel, seed=r) for r in range(world_size)]
+    begun = [c.begin(x) for c, x in zip(codecs, xs, strict=True)]
+    p_sum = (sum(p for (p,), _ in begun),)
+    second = [c.next_round(p_sum, ctx) for c, (_, ctx) in zip(codecs, begun, strict=True)]
+    q_sum = (sum(q for (q,), _ in second),)
+    finished = [c.finish(q_sum, ctx) for c, (_, ctx) in zip(codecs, second, strict=True)]
+    totals = [total for total, _ in finished]
+    expected = xs[0] + xs[1] + xs[2]
+    assert all(torch.equal(t, totals[0]) for t in totals)  # the same bits on every rank
+    torch.testing.assert_close(totals[0], expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
+    locals_sum = sum(local() for _, local in finished)
+    torch.testing.assert_close(locals_sum, totals[0], rtol=0, atol=1e-4 * float(expected.abs().max()))
+    assert 4 * sum(p.numel() for p in p_sum + q_sum) == codecs[0].payload_bytes(numel)
+
+
+def randk_support(codec: compress.Compressor, numel: int) -> torch.Tensor:
+    _, (_, _, support) = codec.compress(torch.zeros(numel))
+    return support
+
+
+@pytest.mark.parametrize("ratio", (0.01, 0.1, 0.75, 1.0))
+def test_randk_support_is_k_distinct_sorted_indices_and_values_are_copied(ratio: float) -> None:
+    numel = 2003
+    codec = compress.build("randk", ratio=ratio, seed=3)
+    x = randn(numel, seed=1)
+    for _ in range(5):
+        (values,), (_, _, support) = codec.compress(x)
+        k = count_for(numel, ratio)
+        assert support.numel() == k
+        assert support.unique().numel() == k
+        assert torch.equal(support, support.sort().values)
+        assert int(support.min()) >= 0
+        assert int(support.max()) < numel
+        assert torch.equal(values, x[support])
+
+
+@pytest.mark.parametrize("ratio", (0.01, 0.75))
+def test_randk_with_the_same_seed_draws_the_same_supports_and_new_ones_each_call(ratio: float) -> None:
+    a, b = compress.build("randk", ratio=ratio, seed=11), compress.build("randk", ratio=ratio, seed=11)
+    other = compress.build("randk", ratio=ratio, seed=12)
+    supports_a = [randk_support(a, 5000) for _ in range(4)]
+    supports_b = [randk_support(b, 5000) for _ in range(4)]
+    assert all(torch.equal(s, t) for s, t in zip(supports_a, supports_b, strict=True))
+    assert not any(torch.equal(s, t) for s, t in itertools.pairwise(supports_a))
+    assert not torch.equal(randk_support(other, 5000), supports_a[0])
+
+
+@pytest.mark.parametrize("ratio", (0.1, 0.6))
+def test_randk_includes_every_index_equally_often(ratio: float) -> None:
+    numel, draws = 50, 4000
+    codec = compress.build("randk", ratio=ratio, seed=13)
+    counts = torch.zeros(numel)
+    for _ in range(draws):
+        counts[randk_support(codec, numel)] += 1
+    k = count_for(numel, ratio)
+    expected = draws * k / numel
+    # Pearson statistic of the inclusion counts; drawn without replacement, it has about
+    # (1 - k/numel) times the mean and standard deviation of a chi-square with numel - 1 degrees.
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    dof = numel - 1
+    assert statistic < (1 - k / numel) * (dof + 6 * math.sqrt(2 * dof))
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_unknown_codec_name_raises_key_error_listing_the_names() -> None:
+    with pytest.raises(KeyError) as excinfo:
+        compress.build("nope")
+    message = excinfo.value.args[0]
+    assert "'nope'" in message
+    assert all(name in message for name in compress.names())
+
+
+@pytest.mark.parametrize("name", compress.names())
+def test_unknown_parameter_raises_type_error_listing_the_valid_ones(name: str) -> None:
+    with pytest.raises(TypeError) as excinfo:
+        compress.build(name, ratoi=0.1)
+    message = str(excinfo.value)
+    assert "ratoi" in message
+    assert all(param in message for param in compress.parameters(name))
+    if not compress.parameters(name):
+        assert "none" in message
+
+
+BAD_VALUES = [
+    ("topk", "ratio", 0),
+    ("topk", "ratio", 1.5),
+    ("topk", "ratio", -1),
+    ("topk", "ratio", True),
+    ("topk", "ratio", "0.1"),
+    ("topk", "sample_ratio", 0),
+    ("topk", "mode", "fast"),
+    ("topk", "seed", -1),
+    ("randk", "ratio", 0),
+    ("randk", "ratio", 1.5),
+    ("randk", "seed", True),
+    ("qsgd", "levels", 0),
+    ("qsgd", "levels", 200),
+    ("qsgd", "levels", True),
+    ("qsgd", "levels", 7.0),
+    ("qsgd", "bucket_size", 0),
+    ("qsgd", "bucket_size", False),
+    ("qsgd", "norm", "l1"),
+    ("powersgd", "rank", 0),
+    ("powersgd", "rank", True),
+    ("powersgd", "warm_start", 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "param", "value"), BAD_VALUES, ids=[f"{n}-{p}={v!r}" for n, p, v in BAD_VALUES]
+)
+def test_out_of_range_parameter_raises_value_error_naming_the_value(
+    name: str, param: str, value: Any
+) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        compress.build(name, **{param: value})
+    message = str(excinfo.value)
+    assert f"{param}={value!r}" in message or f"{param}={value}" in message
+
+
+def topk_payload(index: int, numel: int) -> compress.Payload:
+    indices = torch.tensor([0, numel // 2, index], dtype=torch.int32)
+    return indices, torch.tensor([1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("bad", (-1, -100, 10, 11))
+def test_topk_payload_with_an_out_of_range_index_raises_and_writes_nothing(bad: int) -> None:
+    codec = compress.build("topk", ratio=0.3)
+    _, ctx = codec.compress(torch.zeros(10))
+    with pytest.raises(IndexError, match=str(bad)):
+        codec.decompress(topk_payload(bad, 10), ctx)
+    out = randn(10, seed=1)
+    before = out.clone()
+    with pytest.raises(IndexError, match=str(bad)):
+        codec.add_decoded_(out, topk_payload(bad, 10), ctx)
+    assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("name", ("randk", "qsgd", "efsignsgd"))
+def test_decoding_a_payload_made_for_another_size_raises_value_error(name: str) -> None:
+    codec = compress.build(name)
+    payload, _ = codec.compress(randn(1000))
+    _, ctx = codec.compress(randn(3000))
+    with pytest.raises(ValueError, match=r"another size|bucket norms"):
+        codec.decompress(payload, ctx)
+
+
+def test_powersgd_warm_start_refuses_a_tensor_of_another_size() -> None:
+    codec = compress.build("powersgd")
+    codec.compress(randn(100))  # a 10 x 10 matrix
+    with pytest.raises(ValueError, match="another size"):
+        codec.compress(randn(200))  # 15 x 14
+
+
+# -- state -------------------------------------------------------------------------------------
+
+
+@CASE_PARAMS
+def test_a_codec_restored_from_a_state_dict_continues_the_same_payloads(case: Case) -> None:
+    xs = [randn(3000, seed=s) for s in range(6)]
+    original = make(case, seed=21)
+    for x in xs[:3]:
+        original.compress(x)
+    state = original.state_dict()
+    expected = [original.compress(x)[0] for x in xs[3:]]  # taken after the snapshot
+    restored = make(case, seed=21)
+    restored.load_state_dict(state)
+    for x, payload in zip(xs[3:], expected, strict=True):
+        assert payloads_equal(restored.compress(x)[0], payload)
+
+
+@pytest.mark.parametrize("case", STATEFUL, ids=case_id)
+def test_without_its_state_a_fresh_codec_does_not_continue_the_payloads(case: Case) -> None:
+    # Shows that the previous test depends on the state: a fresh instance of a codec that draws
+    # random numbers or keeps a warm start would not produce the continued payloads.
+    xs = [randn(3000, seed=s) for s in range(4)]
+    original, fresh = make(case, seed=21), make(case, seed=21)
+    for x in xs[:3]:
+        original.compress(x)
+    assert not payloads_equal(original.compress(xs[3])[0], fresh.compress(xs[3])[0])
+
+
+@pytest.mark.parametrize("name", [n for n in compress.names() if not compress.build(n).state_dict()])
+def test_stateless_codecs_refuse_a_non_empty_state(name: str) -> None:
+    codec = compress.build(name)
+    codec.load_state_dict({})
+    with pytest.raises(ValueError, match="keeps no state"):
+        codec.load_state_dict({"generator": None})

@@ -1,0 +1,238 @@
+"""SyncConfig: validated when made, read-only afterwards, picklable and comparable."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+
+from gradsync import SyncConfig, compress, feedback
+
+
+def test_defaults_are_valid_and_build_a_compressor_and_feedback() -> None:
+    cfg = SyncConfig()
+    assert cfg.compressor in compress.names()
+    assert cfg.error_feedback in feedback.names()
+    assert cfg.warmup_steps >= 2
+    assert isinstance(cfg.build_compressor(seed=1), compress.lookup(cfg.compressor))
+    assert isinstance(cfg.build_feedback(), feedback.Feedback)
+
+
+@pytest.mark.parametrize("warmup_steps", [1, 0, -3])
+def test_warmup_below_two_raises_value_error_with_the_value_and_range(warmup_steps: int) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        SyncConfig(warmup_steps=warmup_steps)
+    message = str(excinfo.value)
+    assert f"warmup_steps={warmup_steps}" in message
+    assert "[2, inf]" in message
+    assert "DDP rebuilds its buckets" in message  # the reason, not only the constraint
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("warmup_steps", 2.5),
+        ("warmup_steps", True),
+        ("warmup_steps", "10"),
+        ("min_compress_numel", -1),
+        ("min_compress_numel", 1.0),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("seed", False),
+    ],
+)
+def test_bad_integer_fields_raise_value_error_naming_the_value(field: str, value: Any) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        SyncConfig(**{field: value})
+    message = str(excinfo.value)
+    assert f"{field}={value!r}" in message or f"{field}={value}" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("warmup_steps", 2), ("min_compress_numel", 0), ("seed", 2**63 - 1)]
+)
+def test_integer_fields_accept_their_bounds(field: str, value: int) -> None:
+    assert getattr(SyncConfig(**{field: value}), field) == value
+
+
+def test_unknown_compressor_raises_key_error_listing_the_names() -> None:
+    with pytest.raises(KeyError) as excinfo:
+        SyncConfig(compressor="zip")
+    message = excinfo.value.args[0]
+    assert "'zip'" in message
+    assert all(name in message for name in compress.names())
+
+
+def test_unknown_error_feedback_raises_key_error_listing_the_forms() -> None:
+    with pytest.raises(KeyError) as excinfo:
+        SyncConfig(error_feedback="ef2")
+    message = excinfo.value.args[0]
+    assert all(form in message for form in feedback.names())
+
+
+def test_unknown_compressor_argument_raises_type_error_listing_the_valid_ones() -> None:
+    with pytest.raises(TypeError) as excinfo:
+        SyncConfig(compressor="qsgd", compressor_args={"level": 3})
+    message = str(excinfo.value)
+    assert "level" in message
+    assert all(param in message for param in compress.parameters("qsgd"))
+
+
+@pytest.mark.parametrize(
+    ("compressor", "args", "shown"),
+    [
+        ("topk", {"ratio": 0}, "ratio=0"),
+        ("topk", {"ratio": 1.5}, "ratio=1.5"),
+        ("qsgd", {"levels": 200}, "levels=200"),
+        ("powersgd", {"rank": 0}, "rank=0"),
+    ],
+)
+def test_out_of_range_compressor_argument_raises_value_error(compressor: str, args: dict, shown: str) -> None:
+    with pytest.raises(ValueError, match=shown):
+        SyncConfig(compressor=compressor, compressor_args=args)
+
+
+def test_bad_error_feedback_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="eta=2"):
+        SyncConfig(error_feedback="econtrol", error_feedback_args={"eta": 2})
+    with pytest.raises(TypeError, match="eta"):
+        SyncConfig(error_feedback="ef", error_feedback_args={"eta": 0.1})
+
+
+@pytest.mark.parametrize("compressor", ["topk", "randk", "qsgd", "powersgd"])
+def test_a_seed_inside_compressor_args_is_refused(compressor: str) -> None:
+    with pytest.raises(ValueError, match=r"seed=5.*SyncConfig\(seed=\.\.\.\)"):
+        SyncConfig(compressor=compressor, compressor_args={"seed": 5})
+
+
+def test_the_seed_reaches_only_compressors_that_take_one() -> None:
+    cfg = SyncConfig(compressor="topk", compressor_args={"ratio": 0.1, "mode": "sampled"})
+    assert cfg.build_compressor(seed=42).seed == 42
+    assert "seed" not in vars(SyncConfig(compressor="efsignsgd").build_compressor(seed=42))
+
+
+def test_arguments_are_read_only_and_copied_from_the_callers_dict() -> None:
+    args = {"ratio": 0.1}
+    cfg = SyncConfig(
+        compressor="topk", compressor_args=args, error_feedback="econtrol", error_feedback_args={"eta": 0.1}
+    )
+    args["ratio"] = 0.5  # the caller's dict is not the config's
+    assert cfg.compressor_args == {"ratio": 0.1}
+    for mapping in (cfg.compressor_args, cfg.error_feedback_args):
+        with pytest.raises(TypeError, match="read-only"):
+            mapping["ratio"] = 0.2
+        with pytest.raises(TypeError, match="read-only"):
+            mapping.update(ratio=0.2)
+        with pytest.raises(TypeError, match="read-only"):
+            mapping.pop("ratio", None)
+        with pytest.raises(TypeError, match="read-only"):
+            mapping.clear()
+        with pytest.raises(TypeError, match="read-only"):
+            del mapping["eta"]
+        with pytest.raises(TypeError, match="read-only"):
+            mapping |= {"ratio": 0.2}
+    assert cfg.compressor_args == {"ratio": 0.1}
+    assert cfg.error_feedback_args == {"eta": 0.1}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.compressor = "qsgd"  # type: ignore[misc]
+
+
+def test_replace_makes_a_new_validated_config() -> None:
+    cfg = SyncConfig(compressor="topk", compressor_args={"ratio": 0.1})
+    assert dataclasses.replace(cfg, warmup_steps=5).warmup_steps == 5
+    with pytest.raises(ValueError, match="warmup_steps=1"):
+        dataclasses.replace(cfg, warmup_steps=1)
+
+
+def make_config(**overrides: Any) -> SyncConfig:
+    fields = {
+        "compressor": "qsgd",
+        "compressor_args": {"levels": 3, "bucket_size": 100},
+        "error_feedback": "econtrol",
+        "error_feedback_args": {"eta": 0.05},
+        "warmup_steps": 4,
+        "min_compress_numel": 10,
+        "seed": 7,
+    }
+    return SyncConfig(**{**fields, **overrides})
+
+
+def test_configs_with_the_same_fields_are_equal_and_share_a_fingerprint() -> None:
+    a, b = make_config(), make_config()
+    assert a == b
+    assert a.fingerprint() == b.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"seed": 8},
+        {"warmup_steps": 5},
+        {"compressor_args": {"levels": 3, "bucket_size": 101}},
+        {"error_feedback_args": {"eta": 0.06}},
+        {"min_compress_numel": 11},
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_configs_that_differ_in_any_field_differ_and_have_different_fingerprints(change: dict) -> None:
+    a, b = make_config(), make_config(**change)
+    assert a != b
+    assert a.fingerprint() != b.fingerprint()
+
+
+def test_fingerprint_ignores_argument_order() -> None:
+    a = make_config(compressor_args={"levels": 3, "bucket_size": 100})
+    b = make_config(compressor_args={"bucket_size": 100, "levels": 3})
+    assert a.fingerprint() == b.fingerprint()
+
+
+def test_to_dict_rebuilds_an_equal_config_of_plain_dicts() -> None:
+    cfg = make_config()
+    as_dict = cfg.to_dict()
+    assert type(as_dict["compressor_args"]) is dict
+    assert SyncConfig(**as_dict) == cfg
+
+
+@pytest.mark.parametrize(
+    "clone",
+    [lambda c: pickle.loads(pickle.dumps(c)), copy.deepcopy, copy.copy],
+    ids=["pickle", "deepcopy", "copy"],
+)
+def test_a_config_pickles_and_copies_to_an_equal_read_only_config(clone: Any) -> None:
+    cfg = make_config()
+    restored = clone(cfg)
+    assert restored == cfg
+    assert restored.fingerprint() == cfg.fingerprint()
+    with pytest.raises(TypeError, match="read-only"):
+        restored.compressor_args["levels"] = 5
+
+
+@pytest.mark.parametrize("compressor", [n for n in compress.names() if compress.lookup(n).needs_feedback])
+def test_a_compressor_that_needs_feedback_warns_without_it_at_the_callers_line(compressor: str) -> None:
+    with pytest.warns(UserWarning, match=f"{compressor!r} is biased") as record:
+        SyncConfig(compressor=compressor, error_feedback="none")
+    assert record[0].filename == __file__
+
+
+@pytest.mark.parametrize(
+    ("compressor", "error_feedback"),
+    [
+        ("identity", "none"),
+        ("qsgd", "none"),
+        ("fp16", "none"),
+        ("bf16", "none"),
+        ("topk", "ef"),
+        ("topk", "ef21"),
+        ("powersgd", "econtrol"),
+    ],
+)
+def test_no_warning_for_casts_unbiased_compressors_or_with_error_feedback(
+    compressor: str, error_feedback: str
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SyncConfig(compressor=compressor, error_feedback=error_feedback)

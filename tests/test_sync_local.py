@@ -1,0 +1,282 @@
+"""SyncState in a world of one (LocalComm): the hook's whole path without DDP or processes."""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from gradsync import SyncConfig, SyncState, compress, feedback
+from gradsync.comm import LocalComm
+
+WARMUP = 2
+NUMEL = 3000
+
+
+def config(**fields: Any) -> SyncConfig:
+    fields = {"warmup_steps": WARMUP, "min_compress_numel": 0, **fields}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # biased codec without feedback: intended here
+        return SyncConfig(**fields)
+
+
+def new_state(**fields: Any) -> SyncState:
+    return SyncState(config(**fields), LocalComm())
+
+
+def sync(state: SyncState, g: torch.Tensor, bucket: int = 0, is_last: bool = True) -> torch.Tensor:
+    return state.sync(g.clone(), bucket, is_last).wait()  # sync divides its buffer in place
+
+
+def gradients(steps: int, numel: int = NUMEL, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=generator) for _ in range(steps)]
+
+
+def past_warmup(state: SyncState, numel: int = NUMEL) -> None:
+    for g in gradients(WARMUP, numel, seed=99):
+        sync(state, g)
+
+
+def feedback_state(state: SyncState) -> dict[int, dict[str, Any]]:
+    return {index: point.feedback.state_dict() for index, point in state.points.items()}
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Equal nested dicts, with tensors compared bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    return a == b
+
+
+ALL_CODECS = compress.names()
+FORMS = feedback.names()
+
+
+def test_warmup_steps_return_the_input_exactly_then_compression_starts() -> None:
+    state = new_state(compressor="topk", compressor_args={"ratio": 0.01}, warmup_steps=3)
+    gs = gradients(4)
+    for g in gs[:3]:
+        assert torch.equal(sync(state, g), g)
+    assert not state.points
+    out = sync(state, gs[3])
+    assert not torch.equal(out, gs[3])  # top-1% keeps 30 of 3000 entries
+    assert int((out != 0).sum()) == 30
+    steps = state.stats()["steps"]
+    assert [s["compressed_buckets"] for s in steps] == [0, 0, 0, 1]
+
+
+def test_warmup_counts_training_steps_not_buckets() -> None:
+    state = new_state(compressor="topk", compressor_args={"ratio": 0.01}, warmup_steps=2)
+    for _ in range(3):
+        for bucket, g in enumerate(gradients(2)):
+            sync(state, g, bucket=bucket, is_last=bucket == 1)
+    assert state.step == 3
+    assert [s["compressed_buckets"] for s in state.stats()["steps"]] == [0, 0, 2]
+    assert [s["buckets"] for s in state.stats()["steps"]] == [2, 2, 2]
+
+
+def test_identity_with_error_feedback_returns_the_input_bit_for_bit() -> None:
+    state = new_state(compressor="identity", error_feedback="ef")
+    for g in gradients(WARMUP + 4):
+        assert torch.equal(sync(state, g), g)
+    assert state.stats()["total"]["compressed_buckets"] == 4
+    assert not bool(state.points[0].feedback.error.any())
+
+
+def test_a_bucket_smaller_than_min_compress_numel_is_sent_uncompressed() -> None:
+    state = new_state(compressor="topk", compressor_args={"ratio": 0.01}, min_compress_numel=1000)
+    past_warmup(state, 999)
+    small, large = torch.randn(999), torch.randn(1000)
+    assert torch.equal(sync(state, small, bucket=0, is_last=False), small)
+    last = state.stats()["last_step"]
+    assert (last["compressed_buckets"], last["payload_bytes"]) == (0, 4 * 999)
+    assert 0 not in state.points
+    out = sync(state, large, bucket=1)
+    assert int((out != 0).sum()) == 10
+    last = state.stats()["last_step"]
+    assert (last["buckets"], last["compressed_buckets"]) == (2, 1)
+    assert last["payload_bytes"] == 4 * 999 + state.points[1].codec.payload_bytes(1000)
+
+
+@pytest.mark.parametrize("name", ALL_CODECS)
+def test_stats_count_payload_bytes_steps_and_no_bytes_sent_in_a_world_of_one(name: str) -> None:
+    state = new_state(compressor=name)
+    compressed_steps = 3
+    for g in gradients(WARMUP + compressed_steps):
+        sync(state, g)
+    stats = state.stats()
+    codec_bytes = state.points[0].codec.payload_bytes(NUMEL)
+    assert stats["step"] == WARMUP + compressed_steps
+    assert len(stats["steps"]) == WARMUP + compressed_steps
+    assert [s["step"] for s in stats["steps"]] == list(range(WARMUP + compressed_steps))
+    last, total = stats["last_step"], stats["total"]
+    assert last["payload_bytes"] == codec_bytes
+    assert (last["bytes_sent"], last["bytes_fp32"], last["compression_ratio"]) == (0, 0, None)
+    assert total["payload_bytes"] == WARMUP * 4 * NUMEL + compressed_steps * codec_bytes
+    assert (total["buckets"], total["compressed_buckets"]) == (WARMUP + compressed_steps, compressed_steps)
+    assert total["numel"] == (WARMUP + compressed_steps) * NUMEL
+    assert total["bytes_sent"] == 0
+    assert all(total[key] >= 0 for key in ("compress_s", "communicate_s", "decompress_s"))
+
+
+@pytest.mark.parametrize("name", ALL_CODECS)
+def test_without_feedback_the_output_is_the_codecs_round_trip(name: str) -> None:
+    # The exchange in a world of one must decode exactly what the codec alone would.
+    state = new_state(compressor=name, error_feedback="none")
+    gs = gradients(WARMUP + 3)
+    for g in gs[: WARMUP + 1]:
+        sync(state, g)
+    reference = state.config.build_compressor(seed=0)
+    reference.load_state_dict(state.points[0].codec.state_dict())
+    for g in gs[WARMUP + 1 :]:
+        payload, ctx = reference.compress(g)
+        assert torch.equal(sync(state, g), reference.decompress(payload, ctx))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("form", [f for f in FORMS if f != "none"])
+@pytest.mark.parametrize("name", ALL_CODECS)
+def test_a_non_finite_gradient_comes_out_non_finite_and_leaves_the_memory_untouched(
+    name: str, form: str, bad: float
+) -> None:
+    state = new_state(compressor=name, error_feedback=form)
+    gs = gradients(WARMUP + 4)
+    for g in gs[: WARMUP + 2]:
+        sync(state, g)
+    before = feedback_state(state)
+    poisoned = gs[WARMUP + 2].clone()
+    poisoned[17] = bad
+    out = sync(state, poisoned)
+    assert not bool(torch.isfinite(out).any())
+    assert same_state(feedback_state(state), before)
+    assert state.stats()["step"] == WARMUP + 3
+    after = sync(state, gs[WARMUP + 3])
+    assert bool(torch.isfinite(after).all())
+    if name != "identity":  # a lossless codec leaves nothing to remember
+        assert not same_state(feedback_state(state), before)  # the finite step updated the memory
+
+
+@pytest.mark.parametrize("name", ["identity", "topk", "efsignsgd", "powersgd"])
+def test_after_a_skipped_non_finite_step_a_deterministic_codec_continues_as_if_it_never_happened(
+    name: str,
+) -> None:
+    gs = gradients(WARMUP + 5)
+    skipped, reference = new_state(compressor=name), new_state(compressor=name)
+    for g in gs[: WARMUP + 2]:
+        sync(skipped, g)
+        sync(reference, g)
+    sync(skipped, torch.full((NUMEL,), math.nan))
+    for g in gs[WARMUP + 2 :]:
+        assert torch.equal(sync(skipped, g), sync(reference, g))
+
+
+def test_a_non_finite_gradient_during_warmup_comes_out_non_finite() -> None:
+    state = new_state()
+    g = torch.randn(NUMEL)
+    g[0] = math.inf
+    assert not bool(torch.isfinite(sync(state, g)).all())
+
+
+def test_a_finite_gradient_whose_sum_overflows_is_still_finite() -> None:
+    state = new_state(compressor="identity")
+    past_warmup(state)
+    g = torch.full((NUMEL,), 3e38)  # each entry near the float32 maximum: the sum is inf
+    assert torch.equal(sync(state, g), g)
+    assert state.points[0].feedback.error is not None  # the step counted as finite
+
+
+def run_steps(state: SyncState, gs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient split into two buckets of different sizes, as DDP would hand them over."""
+    outs = []
+    for g in gs:
+        outs.append(sync(state, g[:2000], bucket=0, is_last=False))
+        outs.append(sync(state, g[2000:], bucket=1, is_last=True))
+    return outs
+
+
+@pytest.mark.filterwarnings("ignore:compressor .* is biased:UserWarning")  # load re-validates
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", ALL_CODECS)
+def test_a_restored_state_continues_with_bit_identical_outputs(name: str, form: str) -> None:
+    gs = gradients(WARMUP + 6)
+    state = new_state(compressor=name, error_feedback=form)
+    run_steps(state, gs[: WARMUP + 3])
+    checkpoint = io.BytesIO()
+    torch.save(state.state_dict(), checkpoint)  # as a training script would
+    expected = run_steps(state, gs[WARMUP + 3 :])
+    checkpoint.seek(0)
+    restored = new_state(compressor=name, error_feedback=form)
+    restored.load_state_dict(torch.load(checkpoint))
+    assert restored.step == WARMUP + 3
+    outs = run_steps(restored, gs[WARMUP + 3 :])
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
+
+
+def test_a_fresh_state_past_warmup_does_not_continue_identically() -> None:
+    # The previous test depends on what the state carries: without it, outputs differ.
+    gs = gradients(WARMUP + 4)
+    state, fresh = new_state(compressor="randk"), new_state(compressor="randk")
+    run_steps(state, gs[: WARMUP + 3])
+    run_steps(fresh, gs[:WARMUP])
+    assert not torch.equal(run_steps(state, gs[-1:])[0], run_steps(fresh, gs[-1:])[0])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"compressor": "randk"},
+        {"error_feedback": "ef21"},
+        {"seed": 1},
+        {"warmup_steps": 3},
+        {"compressor_args": {"ratio": 0.02}},
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_loading_a_state_made_with_another_config_raises_value_error(change: dict) -> None:
+    state = new_state(compressor="topk", compressor_args={"ratio": 0.01})
+    run_steps(state, gradients(WARMUP + 1))
+    other = new_state(**{"compressor": "topk", "compressor_args": {"ratio": 0.01}, **change})
+    with pytest.raises(ValueError, match="same SyncConfig"):
+        other.load_state_dict(state.state_dict())
+
+
+def test_the_state_pickles_and_an_unpickled_state_refuses_to_sync() -> None:
+    gs = gradients(WARMUP + 3)
+    state = new_state(compressor="qsgd")
+    run_steps(state, gs[: WARMUP + 1])
+    unpickled = pickle.loads(pickle.dumps(state))
+    assert unpickled.comm is None
+    assert unpickled.stats() == state.stats()
+    with pytest.raises(RuntimeError, match=r"unpickled.*load_state_dict"):
+        sync(unpickled, gs[0])
+    # Pickling took nothing from the original, and the unpickled state still checkpoints.
+    assert state.comm is not None
+    resumed = new_state(compressor="qsgd")
+    resumed.load_state_dict(unpickled.state_dict())
+    expected = run_steps(state, gs[WARMUP + 1 :])
+    assert all(torch.equal(a, b) for a, b in zip(run_steps(resumed, gs[WARMUP + 1 :]), expected, strict=True))
+
+
+def test_a_bucket_whose_size_changed_raises_value_error() -> None:
+    state = new_state()
+    past_warmup(state)
+    sync(state, torch.randn(NUMEL))
+    with pytest.raises(ValueError, match=rf"{NUMEL + 1} elements .* made for {NUMEL}"):
+        sync(state, torch.randn(NUMEL + 1))
+
+
+def test_the_output_has_the_shape_and_dtype_of_the_bucket() -> None:
+    state = new_state(compressor="qsgd")
+    past_warmup(state)
+    for dtype in (torch.float32, torch.float16):
+        g = torch.randn(NUMEL).to(dtype)
+        out = sync(state, g)
+        assert (out.shape, out.dtype) == (g.shape, g.dtype)
