@@ -18,6 +18,7 @@ from .comm import Comm, TorchComm, allgather_object
 from .compress import Compressor, lookup
 from .config import SyncConfig
 from .feedback import Feedback
+from .regroup import Regroup
 from .trace import BucketRecord, Trace
 
 log = logging.getLogger("gradsync")
@@ -53,6 +54,12 @@ class SyncState:
         # -- internal state
         self.step = 0  # training steps whose last bucket reached the hook
         self.points: dict[int, CompressionPoint] = {}  # by DDP bucket index
+        # Each bucket's parameters (positions in model.parameters()) in buffer order, as of the
+        # compressed steps: a restored state needs them when DDP lays out buckets otherwise.
+        self.layout: dict[int, tuple[int, ...]] = {}
+        self._param_index: dict[int, int] | None = None  # id(parameter) -> position; by register()
+        self._layout_checked: set[int] = set()  # buckets seen laid out as in `layout`
+        self._regroup: Regroup | None = None  # this step's regrouping, while DDP's layout differs
         self._ranks_agree = False  # set once every rank's config was compared
         # -- statistics
         self.trace = Trace()
@@ -91,6 +98,7 @@ class SyncState:
             "config": self.config.to_dict(),
             "step": self.step,
             "points": {index: point.state_dict() for index, point in self.points.items()},
+            "layout": {index: list(params) for index, params in self.layout.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -107,10 +115,13 @@ class SyncState:
             point.codec.load_state_dict(saved_point["codec"])
             point.feedback.load_state_dict(saved_point["feedback"])
             self.points[int(index)] = point
+        self.layout = {int(index): tuple(params) for index, params in state.get("layout", {}).items()}
+        self._layout_checked = set()
+        self._regroup = None
 
     def __getstate__(self) -> dict[str, Any]:
         # The process group cannot be pickled; everything else can.
-        return {**self.__dict__, "comm": None}
+        return {**self.__dict__, "comm": None, "_param_index": None}
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -191,7 +202,35 @@ class SyncState:
 
 def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average one bucket with compression and error feedback."""
-    return state.sync(bucket.buffer(), bucket.index(), bucket.is_last())
+    index, is_last = bucket.index(), bucket.is_last()
+    watch = state._param_index is not None and state.step >= state.config.warmup_steps
+    if watch and (state._regroup is not None or index not in state._layout_checked):
+        params = tuple(state._param_index[id(p)] for p in bucket.parameters())  # type: ignore[index]
+        if state._regroup is None and _laid_out_as_saved(state, index, params):
+            state._layout_checked.add(index)
+        else:
+            # DDP's buckets differ from those the state was made for: the first iteration of a
+            # fresh DDP model after a restore. Sync the saved groups instead, for this step.
+            if state._regroup is None:
+                state._regroup = Regroup(state.sync, state.layout)
+            numels = [p.numel() for p in bucket.parameters()]
+            future = state._regroup.add(bucket.buffer(), params, numels, is_last)
+            if is_last:
+                state._regroup = None
+            return future
+    return state.sync(bucket.buffer(), index, is_last)
+
+
+def _laid_out_as_saved(state: SyncState, index: int, params: tuple[int, ...]) -> bool:
+    """Whether bucket `index` holds what the state's layout says; records it if the layout is new."""
+    saved = state.layout.get(index)
+    if saved is None:
+        known = {param for group in state.layout.values() for param in group}
+        if known.isdisjoint(params):
+            state.layout[index] = params
+            return True
+        return False
+    return saved == params
 
 
 def register(model: DistributedDataParallel, config: SyncConfig | None = None) -> SyncState:
@@ -214,6 +253,7 @@ def register(model: DistributedDataParallel, config: SyncConfig | None = None) -
     if not isinstance(config, SyncConfig):
         raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
     state = SyncState(config, TorchComm(model.process_group))
+    state._param_index = {id(p): i for i, p in enumerate(model.parameters())}
     model.register_comm_hook(state, hook)
     log.info("gradsync registered on rank %d of %d: %s", state.comm.rank, state.comm.world_size, config)
     return state

@@ -1,0 +1,101 @@
+"""Regroup: sync one step's gradients in given groups of parameters, whatever DDP's buckets are.
+
+Compression state belongs to a group of parameters (a DDP bucket as laid out when the state was
+made). DDP does not always deliver that grouping: a freshly built DDP model's first iteration
+uses its initial bucket layout, and only then rebuilds its buckets in gradient-ready order, the
+layout a checkpointed state was saved with. To continue a restored run exactly, each saved group is
+cut out of whichever buckets hold its parameters, concatenated in its saved order, and synced with
+its own compression point as soon as all its parameters have arrived. A bucket's future completes
+once every group it touches is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch.futures import Future
+
+Sync = Callable[[torch.Tensor, int, bool], Future]  # (flat gradient, group index, ends the step)
+
+
+class Regroup:
+    """One step's worth of regrouping; feed it every bucket of the step, in DDP's order."""
+
+    def __init__(self, sync: Sync, groups: Mapping[int, Sequence[int]]) -> None:
+        self._sync = sync
+        self._groups = {index: tuple(params) for index, params in groups.items()}
+        self._group_of = {param: index for index, params in self._groups.items() for param in params}
+        self._arrived: dict[int, dict[int, torch.Tensor]] = {}  # group -> param -> gradient view
+        self._results: dict[int, Future] = {index: Future() for index in self._groups}
+
+    def add(
+        self, buffer: torch.Tensor, params: Sequence[int], numels: Sequence[int], is_last: bool
+    ) -> Future[torch.Tensor]:
+        """Take one bucket (its flat buffer holds `params` in order); a future of its averaged buffer."""
+        flat = buffer.view(-1)
+        spans = _spans(params, numels)
+        touched: list[int] = []
+        for param, (lo, hi) in spans.items():
+            group = self._group_of.get(param)
+            if group is None:
+                raise ValueError(
+                    f"parameter {param} (position in model.parameters()) is in no group of this gradsync "
+                    f"state ({dict(self._groups)}): the model changed since the checkpoint; register "
+                    "gradsync afresh for this model"
+                )
+            self._arrived.setdefault(group, {})[param] = flat[lo:hi]
+            if group not in touched:
+                touched.append(group)
+        ready = sorted(g for g in touched if len(self._arrived[g]) == len(self._groups[g]))
+        if is_last:
+            self._check_complete()
+        for group in ready:
+            part = torch.cat([self._arrived[group][param] for param in self._groups[group]])
+            _forward(self._sync(part, group, is_last and group == ready[-1]), self._results[group])
+
+        def assemble(_: Future) -> torch.Tensor:
+            out = torch.empty_like(flat)
+            for group in touched:
+                synced = self._results[group].value().view(-1)
+                start = 0
+                for param in self._groups[group]:
+                    size = self._arrived[group][param].numel()
+                    if param in spans:
+                        lo, hi = spans[param]
+                        out[lo:hi] = synced[start : start + size]
+                    start += size
+            return out.view_as(buffer)
+
+        return torch.futures.collect_all([self._results[g] for g in touched]).then(assemble)
+
+    def _check_complete(self) -> None:
+        """At the step's last bucket, every group that received gradients must have all of them."""
+        for group, arrived in self._arrived.items():
+            missing = sorted(set(self._groups[group]) - set(arrived))
+            if missing:
+                raise ValueError(
+                    f"gradsync group {group} needs the gradients of parameters {missing}, which no "
+                    "bucket of this step delivered (unused parameters?); register gradsync afresh"
+                )
+
+
+def _spans(params: Sequence[int], numels: Sequence[int]) -> dict[int, tuple[int, int]]:
+    spans = {}
+    offset = 0
+    for param, numel in zip(params, numels, strict=True):
+        spans[param] = (offset, offset + numel)
+        offset += numel
+    return spans
+
+
+def _forward(source: Future, target: Future) -> None:
+    """Complete `target` with `source`'s value or error."""
+
+    def done(future: Future) -> None:
+        try:
+            target.set_result(future.value())
+        except Exception as error:  # the hook's error reaches DDP through every waiting bucket
+            target.set_exception(error)
+
+    source.add_done_callback(done)

@@ -1,0 +1,12 @@
+"""Multi-process tests: each spawns gloo ranks through dist_harness.run_ranks.
+
+Spawned ranks import the worker functions by module name, so this folder must be importable
+from sys.path in the test process (whose sys.path the spawned children copy).
+"""
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)

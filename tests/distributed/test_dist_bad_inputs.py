@@ -1,0 +1,221 @@
+"""Bad inputs fail loudly and the same way on every rank, and never hang.
+
+- Ranks given different SyncConfigs: a ValueError on every rank, naming the ranks and their
+  configs, before any gradient is exchanged; the process group stays usable.
+- A rank with a NaN or Inf gradient: the averaged gradient is non-finite on every rank (so AMP's
+  GradScaler skips the step everywhere), no error memory absorbs it, and the next finite step
+  trains normally with the ranks still identical.
+- register() on a module that is not DistributedDataParallel: TypeError.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import batch, config, ddp, flat_params, make_mlp, run_ranks, sgd, train
+from torch import nn
+
+import gradsync
+
+# -- ranks configured differently ------------------------------------------------------------------
+
+WORLD_SIZE = 3
+# scenario -> (the odd rank, its config, everyone else's config, text only the odd rank's config has)
+MISMATCHES = {
+    "ratio": (2, {"compressor_args": {"ratio": 0.02}}, {"compressor_args": {"ratio": 0.01}}, '"ratio": 0.02'),
+    "warmup_steps": (0, {"warmup_steps": 3}, {"warmup_steps": 2}, '"warmup_steps": 3'),
+}
+
+
+def differently_configured_ranks(rank: int, world_size: int) -> dict:
+    out = {}
+    for scenario, (odd_rank, odd, usual, _) in MISMATCHES.items():
+        model = ddp(make_mlp(seed=0))
+        state = gradsync.register(model, config(compressor="topk", **(odd if rank == odd_rank else usual)))
+        try:
+            train(model, sgd(model), rank, range(1))
+            out[scenario] = ("no error", "", state.step)
+        except Exception as e:
+            out[scenario] = (type(e).__name__, str(e), state.step)
+    # The failed check left no rank inside a collective: the group still works.
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    out["all_reduce_after"] = total.item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mismatch_runs() -> list[dict]:
+    return run_ranks(differently_configured_ranks, WORLD_SIZE, timeout_s=60)
+
+
+@pytest.mark.parametrize("scenario", list(MISMATCHES))
+def test_different_configs_raise_value_error_on_every_rank_naming_the_ranks(
+    mismatch_runs: list[dict], scenario: str
+) -> None:
+    odd_rank, _, _, odd_text = MISMATCHES[scenario]
+    for rank, out in enumerate(mismatch_runs):
+        kind, message, steps = out[scenario]
+        assert kind == "ValueError", f"rank {rank} got {kind}: {message}"
+        assert "Pass the same SyncConfig" in message, message
+        lines = {int(m[1]): m[2] for m in re.finditer(r"rank (\d+): (.*)", message)}
+        assert sorted(lines) == list(range(WORLD_SIZE)), f"rank {rank}: not every rank is named:\n{message}"
+        assert odd_text in lines[odd_rank], f"rank {rank}: rank {odd_rank}'s own config is not shown"
+        assert all(odd_text not in text for r, text in lines.items() if r != odd_rank)
+        assert steps == 0, "a gradient was exchanged before the configs were compared"
+
+
+def test_group_stays_usable_after_the_config_check_fails(mismatch_runs: list[dict]) -> None:
+    assert all(out["all_reduce_after"] == sum(range(WORLD_SIZE)) for out in mismatch_runs)
+
+
+# -- a non-finite gradient on one rank ------------------------------------------------------------
+
+BAD_STEP = 4  # a compressed step (warm-up is 2), after compressed steps have filled the memories
+AFTER_STEPS = 2
+# (compressor, args, feedback, leaves_no_trace): the last says the bad step changes no state at
+# all, so skipping it must give exactly the run that never had it. Not so where the bad step
+# still draws random numbers (randk, qsgd): those stay in step across ranks, not with that run.
+CASES = [
+    ("topk", {"ratio": 0.05}, "ef", True),
+    ("qsgd", {}, "ef", False),
+    ("randk", {"ratio": 0.05}, "ef21", False),
+    ("powersgd", {"rank": 1}, "ef", True),
+    ("efsignsgd", {}, "econtrol", True),
+]
+# How a rank's gradient goes bad -> (the bad rank, bucket_cap_mb): all of its gradient NaN or
+# Inf through the loss, over two buckets; or a single Inf entry in an otherwise finite gradient.
+INJECTIONS = {"nan_loss": (1, 0.004), "inf_loss": (2, 0.004), "one_inf_entry": (0, None)}
+
+
+def _memories(state: gradsync.SyncState) -> dict:
+    """Every error-memory tensor, by (bucket, name)."""
+    return {
+        (index, name): value
+        for index, point in state.state_dict()["points"].items()
+        for name, value in point["feedback"].items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _bad_step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, injection: str, bad_rank: int) -> None:
+    x, y = batch(rank, BAD_STEP)
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    handle = None
+    if rank == bad_rank and injection == "nan_loss":
+        loss = loss * math.nan
+    elif rank == bad_rank and injection == "inf_loss":
+        loss = loss * math.inf
+    elif rank == bad_rank and injection == "one_inf_entry":
+        handle = next(model.parameters()).register_hook(_one_inf_entry)
+    loss.backward()
+    if handle is not None:
+        handle.remove()
+
+
+def _one_inf_entry(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient with one entry set to +inf: the rest of the bucket stays finite."""
+    grad = grad.clone()
+    grad.view(-1)[7] = math.inf
+    return grad
+
+
+def non_finite_on_one_rank(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, args, form, _ in CASES:
+        cfg = config(compressor=name, compressor_args=args, error_feedback=form)
+        for injection, (bad_rank, cap_mb) in INJECTIONS.items():
+            model = ddp(make_mlp(seed=0), bucket_cap_mb=cap_mb)
+            state = gradsync.register(model, cfg)
+            opt = sgd(model)
+            train(model, opt, rank, range(BAD_STEP))
+            memories_before = _memories(state)
+            params_before = flat_params(model)
+            _bad_step(model, opt, rank, injection, bad_rank)
+            grads_finite = [bool(torch.isfinite(p.grad).all()) for p in model.parameters()]
+            memories_after = _memories(state)
+            opt.zero_grad()  # the step is skipped, as GradScaler would
+            train(model, opt, rank, range(BAD_STEP + 1, BAD_STEP + 1 + AFTER_STEPS))
+            # The same run without the bad step, for the codecs that it leaves no trace in.
+            clean = ddp(make_mlp(seed=0), bucket_cap_mb=cap_mb)
+            gradsync.register(clean, cfg)
+            clean_opt = sgd(clean)
+            train(clean, clean_opt, rank, range(BAD_STEP))
+            train(clean, clean_opt, rank, range(BAD_STEP + 1, BAD_STEP + 1 + AFTER_STEPS))
+            out[name, injection] = {
+                "grads_finite": grads_finite,
+                "memories_before": memories_before,
+                "memories_after": memories_after,
+                "params_before": params_before,
+                "params_after": flat_params(model),
+                "params_clean": flat_params(clean),
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def non_finite_runs() -> list[dict]:
+    return run_ranks(non_finite_on_one_rank, WORLD_SIZE, timeout_s=90)
+
+
+CASE_IDS = [f"{n}+{f}" for n, _, f, _ in CASES]
+
+
+@pytest.mark.parametrize("injection", list(INJECTIONS))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_non_finite_gradient_on_one_rank_is_non_finite_on_every_rank(
+    non_finite_runs: list[dict], case: tuple, injection: str
+) -> None:
+    for rank, out in enumerate(non_finite_runs):
+        grads_finite = out[case[0], injection]["grads_finite"]
+        # A bucket with a bad entry goes bad as a whole, and each injection reaches every bucket
+        # (the loss poisons every gradient; the single entry sits in a one-bucket model).
+        assert not any(grads_finite), f"rank {rank}: finite gradients {grads_finite} after a bad step"
+
+
+@pytest.mark.parametrize("injection", list(INJECTIONS))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_non_finite_gradient_never_enters_an_error_memory(
+    non_finite_runs: list[dict], case: tuple, injection: str
+) -> None:
+    for rank, out in enumerate(non_finite_runs):
+        result = out[case[0], injection]
+        before, after = result["memories_before"], result["memories_after"]
+        assert before and any(bool(t.any()) for t in before.values()), "memories were empty: test is void"
+        assert before.keys() == after.keys()
+        for key in before:
+            assert torch.equal(before[key], after[key]), f"rank {rank}: memory {key} changed in the bad step"
+
+
+@pytest.mark.parametrize("injection", list(INJECTIONS))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_next_finite_steps_train_normally_with_ranks_identical(
+    non_finite_runs: list[dict], case: tuple, injection: str
+) -> None:
+    name, _, _, leaves_no_trace = case
+    reference = non_finite_runs[0][name, injection]["params_after"]
+    for rank, out in enumerate(non_finite_runs):
+        result = out[name, injection]
+        assert torch.isfinite(result["params_after"]).all(), f"rank {rank}"
+        assert not torch.equal(result["params_after"], result["params_before"]), f"rank {rank} did not train"
+        assert torch.equal(result["params_after"], reference), f"rank {rank} differs from rank 0"
+        if leaves_no_trace:
+            assert torch.equal(result["params_after"], result["params_clean"]), (
+                f"rank {rank}: the skipped bad step changed the trajectory"
+            )
+
+
+# -- not a DDP model ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "module", [nn.Linear(4, 2), nn.Sequential(nn.Linear(4, 2))], ids=["Linear", "Sequential"]
+)
+def test_register_on_a_module_that_is_not_ddp_raises_type_error(module: nn.Module) -> None:
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        gradsync.register(module, gradsync.SyncConfig())
