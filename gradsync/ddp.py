@@ -3,6 +3,7 @@
 No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
 """
 
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -67,8 +68,9 @@ class SyncState:
     def sync(self, buffer: torch.Tensor, bucket_index: int, is_last: bool) -> Future[torch.Tensor]:
         """Average `buffer` over the ranks: the hook's whole job, usable without DDP too.
 
-        The future holds a fresh tensor shaped like `buffer`. `buffer` itself is divided by the
-        world size in place and must stay untouched until the future completes.
+        The future holds a tensor shaped like `buffer`: a fresh one on compressed steps, `buffer`
+        itself (allreduced in place) on uncompressed ones. `buffer` is divided by the world size in
+        place and must stay untouched until the future completes.
         """
         comm = self._comm()
         if not self._ranks_agree:
@@ -102,11 +104,11 @@ class SyncState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = SyncConfig(**state["config"])
-        if saved != self.config:
+        if state["config"] != self.config.to_dict():
             raise ValueError(
-                f"the checkpoint was made with {saved}, but this run uses {self.config}; its error "
-                "memories and compressor state would not fit: resume with the same SyncConfig"
+                f"the checkpoint was made with SyncConfig {state['config']}, but this run uses "
+                f"{self.config.to_dict()}; its error memories and compressor state would not fit: "
+                "resume with the same SyncConfig"
             )
         self.step = state["step"]
         self.points = {}
@@ -193,10 +195,9 @@ class SyncState:
         fingerprints = allgather_object(self._comm(), self.config.fingerprint(), device)
         self._ranks_agree = True
         if len(set(fingerprints)) > 1:
-            lines = "\n".join(f"  rank {r}: {f}" for r, f in enumerate(fingerprints))
             raise ValueError(
                 "gradsync: the ranks were given different SyncConfigs, so their gradients cannot be "
-                f"exchanged:\n{lines}\nPass the same SyncConfig on every rank."
+                f"exchanged:\n{_describe_differences(fingerprints)}\nPass the same SyncConfig on every rank."
             )
 
 
@@ -257,6 +258,21 @@ def register(model: DistributedDataParallel, config: SyncConfig | None = None) -
     model.register_comm_hook(state, hook)
     log.info("gradsync registered on rank %d of %d: %s", state.comm.rank, state.comm.world_size, config)
     return state
+
+
+def _describe_differences(fingerprints: list[str]) -> str:
+    """Ranks grouped by config; each group names the fields where it differs from the most common."""
+    groups: dict[str, list[int]] = {}
+    for rank, fingerprint in enumerate(fingerprints):
+        groups.setdefault(fingerprint, []).append(rank)
+    common = max(groups, key=lambda f: len(groups[f]))  # first seen wins a tie
+    reference = json.loads(common)
+    lines = []
+    for fingerprint, ranks in groups.items():
+        config = json.loads(fingerprint)
+        differing = ", ".join(f"{k}={v!r}" for k, v in config.items() if reference.get(k) != v)
+        lines.append(f"  ranks {ranks}: {differing or 'the most common config'}   (full: {fingerprint})")
+    return "\n".join(lines)
 
 
 def _is_finite(t: torch.Tensor) -> bool:

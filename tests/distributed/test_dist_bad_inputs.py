@@ -24,10 +24,10 @@ import gradsync
 # -- ranks configured differently ------------------------------------------------------------------
 
 WORLD_SIZE = 3
-# scenario -> (the odd rank, its config, everyone else's config, text only the odd rank's config has)
+# scenario -> (the odd rank, its config, everyone else's config, the differing field as reported)
 MISMATCHES = {
-    "ratio": (2, {"compressor_args": {"ratio": 0.02}}, {"compressor_args": {"ratio": 0.01}}, '"ratio": 0.02'),
-    "warmup_steps": (0, {"warmup_steps": 3}, {"warmup_steps": 2}, '"warmup_steps": 3'),
+    "ratio": (2, {"compressor_args": {"ratio": 0.02}}, {"compressor_args": {"ratio": 0.01}}, "'ratio': 0.02"),
+    "warmup_steps": (0, {"warmup_steps": 3}, {"warmup_steps": 2}, "warmup_steps=3"),
 }
 
 
@@ -62,10 +62,12 @@ def test_different_configs_raise_value_error_on_every_rank_naming_the_ranks(
         kind, message, steps = out[scenario]
         assert kind == "ValueError", f"rank {rank} got {kind}: {message}"
         assert "Pass the same SyncConfig" in message, message
-        lines = {int(m[1]): m[2] for m in re.finditer(r"rank (\d+): (.*)", message)}
-        assert sorted(lines) == list(range(WORLD_SIZE)), f"rank {rank}: not every rank is named:\n{message}"
-        assert odd_text in lines[odd_rank], f"rank {rank}: rank {odd_rank}'s own config is not shown"
-        assert all(odd_text not in text for r, text in lines.items() if r != odd_rank)
+        groups = {m[1]: m[2] for m in re.finditer(r"ranks \[([\d, ]+)\]: (.*?)   \(full", message)}
+        named = sorted(int(r) for ranks in groups for r in ranks.split(", "))
+        assert named == list(range(WORLD_SIZE)), f"rank {rank}: not every rank is named once:\n{message}"
+        others = ", ".join(str(r) for r in range(WORLD_SIZE) if r != odd_rank)
+        assert odd_text in groups[str(odd_rank)], f"rank {rank}: the differing field is not named:\n{message}"
+        assert groups[others] == "the most common config", message
         assert steps == 0, "a gradient was exchanged before the configs were compared"
 
 
