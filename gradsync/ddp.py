@@ -61,11 +61,14 @@ class SyncState:
         self._param_index: dict[int, int] | None = None  # id(parameter) -> position; by register()
         self._layout_checked: set[int] = set()  # buckets seen laid out as in `layout`
         self._regroup: Regroup | None = None  # this step's regrouping, while DDP's layout differs
+        self._local_steps = 0  # steps this process's hook has seen: DDP rebuilds buckets after one
         self._ranks_agree = False  # set once every rank's config was compared
         # -- statistics
         self.trace = Trace()
 
-    def sync(self, buffer: torch.Tensor, bucket_index: int, is_last: bool) -> Future[torch.Tensor]:
+    def sync(
+        self, buffer: torch.Tensor, bucket_index: int, is_last: bool, may_compress: bool = True
+    ) -> Future[torch.Tensor]:
         """Average `buffer` over the ranks: the hook's whole job, usable without DDP too.
 
         The future holds a tensor shaped like `buffer`: a fresh one on compressed steps, `buffer`
@@ -79,7 +82,11 @@ class SyncState:
         if is_last:
             self.step += 1
         buffer.div_(comm.world_size)  # before compressing: low-precision sums cannot overflow
-        compress = step >= self.config.warmup_steps and buffer.numel() >= self.config.min_compress_numel
+        compress = (
+            may_compress
+            and step >= self.config.warmup_steps
+            and buffer.numel() >= self.config.min_compress_numel
+        )
         if not compress:
             future = exchange.start(None, buffer, comm)
             return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, None))
@@ -203,23 +210,32 @@ class SyncState:
 
 def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average one bucket with compression and error feedback."""
+    first_iteration = state._local_steps == 0  # DDP's initial buckets; rebuilt after this step
+    if bucket.is_last():
+        state._local_steps += 1
     index, is_last = bucket.index(), bucket.is_last()
-    watch = state._param_index is not None and state.step >= state.config.warmup_steps
-    if watch and (state._regroup is not None or index not in state._layout_checked):
-        params = tuple(state._param_index[id(p)] for p in bucket.parameters())  # type: ignore[index]
-        if state._regroup is None and _laid_out_as_saved(state, index, params):
+    if state._param_index is None or (
+        state._regroup is None and not first_iteration and index in state._layout_checked
+    ):
+        return state.sync(bucket.buffer(), index, is_last)
+    params = tuple(state._param_index[id(p)] for p in bucket.parameters())
+    if state._regroup is None:
+        if first_iteration and not state.layout:
+            # Nothing saved to follow, and compression state must be keyed by the rebuilt buckets
+            # to come: this step goes uncompressed (only a state saved before it saw a rebuilt
+            # bucket can get here past its warm-up).
+            return state.sync(bucket.buffer(), index, is_last, may_compress=False)
+        if not first_iteration and _laid_out_as_saved(state, index, params):
             state._layout_checked.add(index)
-        else:
-            # DDP's buckets differ from those the state was made for: the first iteration of a
-            # fresh DDP model after a restore. Sync the saved groups instead, for this step.
-            if state._regroup is None:
-                state._regroup = Regroup(state.sync, state.layout)
-            numels = [p.numel() for p in bucket.parameters()]
-            future = state._regroup.add(bucket.buffer(), params, numels, is_last)
-            if is_last:
-                state._regroup = None
-            return future
-    return state.sync(bucket.buffer(), index, is_last)
+            return state.sync(bucket.buffer(), index, is_last)
+        # DDP's buckets differ from those the state was made for (the first iteration of a fresh
+        # DDP model after a restore): sync the saved groups instead, for this step.
+        state._regroup = Regroup(state.sync, state.layout)
+    numels = [p.numel() for p in bucket.parameters()]
+    future = state._regroup.add(bucket.buffer(), params, numels, is_last)
+    if is_last:
+        state._regroup = None
+    return future
 
 
 def _laid_out_as_saved(state: SyncState, index: int, params: tuple[int, ...]) -> bool:

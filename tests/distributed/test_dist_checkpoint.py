@@ -57,15 +57,17 @@ def _checkpoint(model, opt, state, with_gradsync: bool = True) -> bytes:
     return buf.getvalue()
 
 
-def continuous_and_resumed(rank: int, world_size: int, cap_mb: float | None) -> dict:
+def continuous_and_resumed(
+    rank: int, world_size: int, cap_mb: float | None, cases: list = CASES, save_at: int = SAVE_AT
+) -> dict:
     out = {}
-    for name, args, form in CASES:
+    for name, args, form in cases:
         cfg = config(compressor=name, compressor_args=args, error_feedback=form)
         continuous, _, _ = _run(rank, cfg, cap_mb, 0, range(STEPS))
-        first_half = _run(rank, cfg, cap_mb, 0, range(SAVE_AT))
-        resumed, _, state = _run(rank, cfg, cap_mb, 1, range(SAVE_AT, STEPS), _checkpoint(*first_half))
+        first_half = _run(rank, cfg, cap_mb, 0, range(save_at))
+        resumed, _, state = _run(rank, cfg, cap_mb, 1, range(save_at, STEPS), _checkpoint(*first_half))
         without_state, _, _ = _run(
-            rank, cfg, cap_mb, 1, range(SAVE_AT, STEPS), _checkpoint(*first_half, with_gradsync=False)
+            rank, cfg, cap_mb, 1, range(save_at, STEPS), _checkpoint(*first_half, with_gradsync=False)
         )
         out[name, form] = {
             "continuous": flat_params(continuous),
@@ -93,3 +95,14 @@ def test_restored_run_continues_the_exact_trajectory(runs: list[dict], case: tup
         assert not torch.equal(result["without_state"], result["continuous"]), (
             f"rank {rank}: dropping gradsync's state changed nothing, so the test proves nothing"
         )
+
+
+def test_a_checkpoint_taken_as_warm_up_ends_resumes_exactly() -> None:
+    """Saved before any compressed step, the state has no memories yet, but it knows DDP's
+    rebuilt buckets (seen in warm-up), so the first, compressed, step after the restore uses them."""
+    warmup = config().warmup_steps
+    case = ("topk", {"ratio": 0.05}, "ef")
+    runs = run_ranks(continuous_and_resumed, 2, (0.004, [case], warmup), timeout_s=120)
+    for rank, out in enumerate(runs):
+        result = out["topk", "ef"]
+        assert torch.equal(result["resumed"], result["continuous"]), f"rank {rank} left the trajectory"
