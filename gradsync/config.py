@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from . import compress, feedback
+from .compress.base import check_int
 
 _SEED_BOUND = 2**63 - 1
 
@@ -50,9 +51,9 @@ class SyncConfig:
         object.__setattr__(self, "error_feedback_args", ReadOnlyDict(self.error_feedback_args))
         codec = compress.build(self.compressor, **self.compressor_args)
         feedback.build(self.error_feedback, **self.error_feedback_args)
-        _check_int("warmup_steps", self.warmup_steps, 2, "DDP rebuilds its buckets after the first step")
-        _check_int("min_compress_numel", self.min_compress_numel, 0, "a count of elements")
-        _check_int("seed", self.seed, 0, "a non-negative integer", hi=_SEED_BOUND)
+        check_int("warmup_steps", self.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
+        check_int("min_compress_numel", self.min_compress_numel, 0, why="a count of elements")
+        check_int("seed", self.seed, 0, _SEED_BOUND, why="a non-negative integer")
         if self.error_feedback == "none" and type(codec).needs_feedback:
             warnings.warn(
                 f"compressor {self.compressor!r} is biased and error_feedback='none': what it drops is "
@@ -96,11 +97,3 @@ class ReadOnlyDict(dict):
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(json.dumps(self, sort_keys=True, default=repr))
-
-
-def _check_int(name: str, value: Any, lo: int, why: str, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} must be an integer >= {lo} ({why})")
-    if value < lo or (hi is not None and value > hi):
-        upper = "inf" if hi is None else hi
-        raise ValueError(f"{name}={value} is out of range [{lo}, {upper}]: {why}")

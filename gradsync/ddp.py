@@ -210,15 +210,16 @@ class SyncState:
 
 def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average one bucket with compression and error feedback."""
-    first_iteration = state._local_steps == 0  # DDP's initial buckets; rebuilt after this step
-    if bucket.is_last():
-        state._local_steps += 1
     index, is_last = bucket.index(), bucket.is_last()
+    first_iteration = state._local_steps == 0  # DDP's initial buckets; rebuilt after this step
+    if is_last:
+        state._local_steps += 1
     if state._param_index is None or (
         state._regroup is None and not first_iteration and index in state._layout_checked
     ):
         return state.sync(bucket.buffer(), index, is_last)
-    params = tuple(state._param_index[id(p)] for p in bucket.parameters())
+    bucket_params = bucket.parameters()
+    params = tuple(state._param_index[id(p)] for p in bucket_params)
     if state._regroup is None:
         if first_iteration and not state.layout:
             # Nothing saved to follow, and compression state must be keyed by the rebuilt buckets
@@ -231,7 +232,7 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         # DDP's buckets differ from those the state was made for (the first iteration of a fresh
         # DDP model after a restore): sync the saved groups instead, for this step.
         state._regroup = Regroup(state.sync, state.layout)
-    numels = [p.numel() for p in bucket.parameters()]
+    numels = [p.numel() for p in bucket_params]
     future = state._regroup.add(bucket.buffer(), params, numels, is_last)
     if is_last:
         state._regroup = None

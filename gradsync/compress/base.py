@@ -116,11 +116,13 @@ def check_fraction(name: str, value: Any) -> float:
     return float(value)
 
 
-def check_int(name: str, value: Any, lo: int, hi: int | float = math.inf) -> int:
+def check_int(name: str, value: Any, lo: int, hi: int | float = math.inf, why: str = "") -> int:
+    """`value` if it is an integer in [lo, hi]; else ValueError naming it, the range and `why`."""
+    reason = f": {why}" if why else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} must be an integer in [{lo}, {hi}]")
+        raise ValueError(f"{name}={value!r} must be an integer in [{lo}, {hi}]{reason}")
     if not lo <= value <= hi:
-        raise ValueError(f"{name}={value} is out of range [{lo}, {hi}]")
+        raise ValueError(f"{name}={value} is out of range [{lo}, {hi}]{reason}")
     return value
 
 
