@@ -1,14 +1,26 @@
-"""Wire formats: bit packing and index checks (pure tensor functions, no communication).
+"""Wire formats: bit packing, vote fields and sparse index codecs (pure tensor functions).
 
-Codes of `bits` bits (1 <= bits <= 8) are packed little-endian into uint8 bytes, so that
-n codes take exactly ceil(n * bits / 8) bytes on the wire.
+Codes of `bits` bits (1 <= bits <= 8) are packed little-endian into uint8 bytes, so that n codes
+take exactly ceil(n * bits / 8) bytes on the wire: code i's bit j is bit i * bits + j of the
+stream, and byte b holds stream bits 8b .. 8b + 7, the lowest first.
+
+The common widths (1, 2, 4) are packed word-parallel: a few integer operations on 64-, 32- or
+16-bit words move every code of a word into place at once, so packing costs a fraction of one
+pass over the data instead of a pass per bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-_POWERS_OF_TWO = (1, 2, 4, 8)
+# Multiplying a word of 0/1 bytes by this gathers byte i's bit into bit 56 + i: the partial
+# products land on distinct bits, so no carry disturbs the top byte.
+_GATHER_1_IN_8 = 0x0102040810204080
+# The same for four 2-bit codes in the bytes of a 32-bit word, gathered into its top byte.
+_GATHER_2_IN_4 = (1 << 24) | (1 << 18) | (1 << 12) | (1 << 6)
+_LOW_BIT_OF_EACH_BYTE = 0x0101010101010101
+_LOW_2_BITS_OF_EACH_BYTE = 0x03030303
+_LOW_4_BITS_OF_EACH_BYTE = 0x0F0F
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -17,21 +29,21 @@ def packed_nbytes(numel: int, bits: int) -> int:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes in [0, 2**bits) into a flat uint8 tensor of packed_nbytes(numel, bits)."""
+    """Pack integer (or bool) codes in [0, 2**bits) into a flat uint8 tensor of packed_nbytes bytes."""
     _check_bits(bits)
-    codes = codes.reshape(-1).to(torch.uint8)
+    codes = codes.reshape(-1)
+    codes = codes.view(torch.uint8) if codes.dtype == torch.bool else codes.to(torch.uint8)
     if bits == 8:
         return codes
-    if bits in _POWERS_OF_TWO:
-        # Several whole codes per byte: shift each into its slot and add the slots up.
-        per_byte = 8 // bits
-        padded = _pad_to_multiple(codes, per_byte)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-        return (padded.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
-    # Odd widths straddle byte boundaries: spread codes into bits, then pack the bit stream.
-    shifts = torch.arange(bits, dtype=torch.uint8, device=codes.device)
-    bit_stream = (codes.unsqueeze(1) >> shifts) & 1
-    return pack_bits(bit_stream, 1)
+    if bits in (1, 2, 4):
+        # Whole words go the fast way; the few codes after the last whole word, the slow way.
+        per_word = {1: 8, 2: 4, 4: 2}[bits]
+        whole = codes.numel() - codes.numel() % per_word
+        head = _pack_words(codes[:whole].contiguous(), bits)
+        if whole == codes.numel():
+            return head
+        return torch.cat([head, _pack_stream(codes[whole:], bits)])
+    return _pack_stream(codes, bits)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -47,13 +59,132 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         )
     if bits == 8:
         return packed
-    if bits in _POWERS_OF_TWO:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        mask = (1 << bits) - 1
-        return ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:numel]
+    if bits == 1:
+        # Copy each byte to 8 positions 7 bits apart: byte i of the word then holds bit i in its
+        # lowest bit. Shifted ORs, not a multiply: overlapping copies must not carry.
+        words = packed.to(torch.int64)
+        words |= words << 7
+        words |= words << 14
+        words |= words << 28
+        return (words & _LOW_BIT_OF_EACH_BYTE).view(torch.uint8)[:numel]
+    if bits == 2:
+        words = packed.to(torch.int32)
+        words |= words << 6
+        words |= words << 12
+        return (words & _LOW_2_BITS_OF_EACH_BYTE).view(torch.uint8)[:numel]
+    if bits == 4:
+        words = packed.to(torch.int16)
+        words |= words << 4
+        return (words & _LOW_4_BITS_OF_EACH_BYTE).view(torch.uint8)[:numel]
     bit_stream = unpack_bits(packed, 1, numel * bits).view(numel, bits)
     weights = torch.tensor([1 << i for i in range(bits)], dtype=torch.uint8, device=packed.device)
     return (bit_stream * weights).sum(dim=1, dtype=torch.uint8)
+
+
+# -- vote fields: small counts summed by an integer allreduce ----------------------------------
+
+
+def field_bits(max_count: int) -> int:
+    """Bits a field needs to hold every count in [0, max_count] without overflowing."""
+    if not 1 <= max_count < 2**31:
+        raise ValueError(f"max_count={max_count} is out of range [1, 2**31): a count of ranks")
+    return max_count.bit_length()
+
+
+def fields_per_word(bits: int) -> int:
+    # 31, not 32: the sign bit stays clear, so a sum never relies on signed overflow.
+    return 31 // bits
+
+
+def pack_fields(counts: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack small non-negative counts into int32 words of 31 // bits fields each.
+
+    Summing such words elementwise (an int32 allreduce) sums every field at once, as long as no
+    field's sum exceeds 2**bits - 1: choose bits = field_bits(world_size) for 0/1 votes.
+    Element e sits in field e // num_words of word e % num_words, so each field is a contiguous
+    slice of the input.
+    """
+    per_word = fields_per_word(bits)
+    numel = counts.numel()
+    num_words = -(-numel // per_word)
+    counts = counts.reshape(-1)
+    words = torch.zeros(num_words, dtype=torch.int32, device=counts.device)
+    for field in range(per_word):
+        part = counts[field * num_words : (field + 1) * num_words]
+        if part.numel():
+            words[: part.numel()] |= part.to(torch.int32) << (bits * field)
+    return words
+
+
+def unpack_fields(words: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of pack_fields: the first `numel` counts as int32."""
+    per_word = fields_per_word(bits)
+    num_words = -(-numel // per_word)
+    if words.dtype != torch.int32 or words.shape != (num_words,):
+        raise ValueError(
+            f"vote words must be {num_words} int32 values for {numel} counts of {bits} bits, got "
+            f"{words.dtype} {tuple(words.shape)}"
+        )
+    out = torch.empty(per_word * num_words, dtype=torch.int32, device=words.device)
+    mask = (1 << bits) - 1
+    for field in range(per_word):
+        torch.bitwise_and(words >> (bits * field), mask, out=out[field * num_words : (field + 1) * num_words])
+    return out[:numel]
+
+
+# -- sparse index codecs -----------------------------------------------------------------------
+
+
+def index_format(numel: int, count: int) -> str:
+    """"bitmap" (one bit per element) where it is smaller than "coo" (an int32 per index).
+
+    The choice depends only on the tensor's size and the number of indices, which every decoder
+    knows from the payload, so no format tag crosses the wire. The bitmap wins above a density
+    of 1/32.
+    """
+    return "bitmap" if packed_nbytes(numel, 1) < 4 * count else "coo"
+
+
+def index_nbytes(numel: int, count: int) -> int:
+    """Bytes of `count` indices into a tensor of `numel` elements, encoded by encode_indices."""
+    return packed_nbytes(numel, 1) if index_format(numel, count) == "bitmap" else 4 * count
+
+
+def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """Encode sorted, distinct indices into [0, numel) as uint8 bytes, in the smaller format.
+
+    The values that go with them must be in the same (ascending) order: a bitmap cannot keep
+    any other.
+    """
+    if index_format(numel, indices.numel()) == "coo":
+        return indices.to(torch.int32).view(torch.uint8)
+    mask = torch.zeros(numel, dtype=torch.bool, device=indices.device)
+    mask[indices] = True
+    return pack_bits(mask, 1)
+
+
+def decode_indices(encoded: torch.Tensor, numel: int, count: int) -> torch.Tensor:
+    """Inverse of encode_indices: `count` int64 indices, each checked to lie in [0, numel)."""
+    if encoded.dtype != torch.uint8 or encoded.dim() != 1:
+        raise ValueError(f"encoded indices must be 1-D uint8, got {encoded.dtype} {tuple(encoded.shape)}")
+    expected = index_nbytes(numel, count)
+    if encoded.numel() != expected:
+        raise ValueError(
+            f"encoded indices have {encoded.numel()} bytes but {count} indices into {numel} "
+            f"elements take {expected}: the payload was made for a tensor of another size"
+        )
+    if index_format(numel, count) == "coo":
+        if count and encoded.data_ptr() % 4:
+            encoded = encoded.clone()  # a misaligned slice cannot be viewed as int32
+        indices = encoded.view(torch.int32).long()
+        check_indices(indices, numel)
+        return indices
+    indices = unpack_bits(encoded, 1, numel).nonzero().squeeze(1)
+    if indices.numel() != count:
+        raise ValueError(
+            f"index bitmap marks {indices.numel()} elements but the payload carries {count} values"
+        )
+    return indices
 
 
 def check_indices(indices: torch.Tensor, numel: int) -> None:
@@ -73,13 +204,30 @@ def check_indices(indices: torch.Tensor, numel: int) -> None:
         )
 
 
+# -- helpers -----------------------------------------------------------------------------------
+
+
 def _check_bits(bits: int) -> None:
     if not 1 <= bits <= 8:
         raise ValueError(f"bits={bits} is out of range [1, 8]; codes wider than a byte are not packed")
 
 
-def _pad_to_multiple(codes: torch.Tensor, multiple: int) -> torch.Tensor:
-    remainder = codes.numel() % multiple
-    if remainder == 0:
-        return codes
-    return torch.cat([codes, codes.new_zeros(multiple - remainder)])
+def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a whole number of words of codes (8, 4 or 2 codes per output byte)."""
+    if bits == 1:
+        gathered = codes.view(torch.int64) * _GATHER_1_IN_8
+        return gathered.view(torch.uint8)[7::8].clone()  # the top byte of each word
+    if bits == 2:
+        gathered = codes.view(torch.int32) * _GATHER_2_IN_4
+        return gathered.view(torch.uint8)[3::4].clone()
+    words = codes.view(torch.int16)
+    return (words | (words >> 4)).to(torch.uint8)  # low byte: code 0 | code 1 << 4
+
+
+def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Any width, element by bit: spread each code into its bits, then gather 8 bits per byte."""
+    shifts = torch.arange(bits, dtype=torch.uint8, device=codes.device)
+    stream = ((codes.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    stream = torch.cat([stream, stream.new_zeros(-stream.numel() % 8)])
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=codes.device)
+    return (stream.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
