@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import registry
+from .compress.base import check_real
 
 Local = Callable[[], torch.Tensor]
 
@@ -125,9 +126,7 @@ class EControl(Feedback):
     uses_local = True
 
     def __init__(self, eta: float = 0.01) -> None:
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
-            raise ValueError(f"eta={eta!r} is out of range [0, 1]; try the compressor's delta, e.g. 0.01")
-        self.eta = float(eta)
+        self.eta = check_real("eta", eta, 0, 1, "[]", "try the compressor's delta, e.g. 0.01")
         self.error: torch.Tensor | None = None
         self.h_local: torch.Tensor | None = None
         self.h_mean: torch.Tensor | None = None

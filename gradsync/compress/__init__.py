@@ -14,21 +14,39 @@ from typing import Any
 from .. import registry
 from .base import Compressor, Payload
 from .cast import BF16, FP16
+from .dgc import DGC
 from .identity import Identity
+from .int8 import Int8
+from .natural import Natural
 from .powersgd import PowerSGD
 from .qsgd import QSGD
 from .randk import RandK
-from .sign import EFSignSGD
+from .sign import EFSignSGD, OneBit, SignSGD, Signum
+from .terngrad import TernGrad
+from .threshold import Threshold
 from .topk import TopK
 
 REGISTRY: dict[str, type[Compressor]] = {
+    # no loss, or the loss of a narrower float
     "identity": Identity,
     "fp16": FP16,
     "bf16": BF16,
+    # sparsification
     "topk": TopK,
     "randk": RandK,
+    "threshold": Threshold,
+    "dgc": DGC,
+    # quantization
+    "int8": Int8,
     "qsgd": QSGD,
+    "terngrad": TernGrad,
+    "natural": Natural,
+    # one bit per element
+    "signsgd": SignSGD,
+    "signum": Signum,
     "efsignsgd": EFSignSGD,
+    "onebit": OneBit,
+    # low rank
     "powersgd": PowerSGD,
 }
 

@@ -29,6 +29,15 @@ class Compressor:
                  through begin / next_round / finish instead of one compress.
       needs_feedback  biased and lossy enough that, without error feedback, what it drops is lost
                  for good (top-k, sign, ...); casts and unbiased codecs are not.
+      owns_memory  keeps what it did not send in its own state (DGC's accumulator): the hook's
+                 error feedback would count it twice, so it must be "none".
+      majority_vote  the payload is one sign bit per element, and ranks combine by majority
+                 vote, sign(sum of signs), instead of a sum (signSGD, Signum). The result is a
+                 unit step per element, not an estimate of the gradient, so error feedback
+                 does not apply either.
+
+    payload_bytes(numel) is exact for fixed-size codecs; for the others (threshold) it is the
+    largest payload.
     """
 
     summable: ClassVar[bool] = False
@@ -37,6 +46,8 @@ class Compressor:
     randomness: ClassVar[str] = "none"
     rounds: ClassVar[int] = 1
     needs_feedback: ClassVar[bool] = False
+    owns_memory: ClassVar[bool] = False
+    majority_vote: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")
@@ -49,7 +60,8 @@ class Compressor:
         out += self.decompress(payload, ctx)
 
     def payload_bytes(self, numel: int) -> int:
-        """Bytes of the payload for an fp32 tensor of `numel` elements (sum of its nbytes)."""
+        """Bytes of the payload for an fp32 tensor of `numel` elements (sum of its nbytes); the
+        largest payload where the size depends on the data (fixed_size False)."""
         raise NotImplementedError(f"{type(self).__name__} must implement payload_bytes")
 
     def state_dict(self) -> dict[str, Any]:
@@ -72,7 +84,7 @@ class SeededCompressor(Compressor):
     stream; its state is part of state_dict so a resumed run draws the same numbers.
     """
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         self._generator: torch.Generator | None = None
         self._pending_state: torch.Tensor | None = None
@@ -124,6 +136,23 @@ def check_int(name: str, value: Any, lo: int, hi: int | float = math.inf, why: s
     if not lo <= value <= hi:
         raise ValueError(f"{name}={value} is out of range [{lo}, {hi}]{reason}")
     return value
+
+
+def check_real(
+    name: str, value: Any, lo: float, hi: float, closed: str = "[)", hint: str = ""
+) -> float:
+    """`value` as a float if it is a real number in the interval from lo to hi, whose ends are
+    included or not as `closed` says ("[)", "(]", "()", "[]"); else ValueError naming the value,
+    the interval and `hint`."""
+    interval = f"{closed[0]}{lo:g}, {hi:g}{closed[1]}"
+    reason = f"; {hint}" if hint else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} must be a number in {interval}{reason}")
+    above = value >= lo if closed[0] == "[" else value > lo
+    below = value <= hi if closed[1] == "]" else value < hi
+    if not (above and below):
+        raise ValueError(f"{name}={value!r} is out of range {interval}{reason}")
+    return float(value)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

@@ -9,6 +9,7 @@ import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from .base import Payload, SeededCompressor, check_choice, check_int
+from .scratch import padded_rows, scratch
 
 
 class QSGD(SeededCompressor):
@@ -40,20 +41,23 @@ class QSGD(SeededCompressor):
         return math.ceil(math.log2(2 * self.levels + 1))
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
-        flat = x.reshape(-1).float()
+        flat = x.reshape(-1)
         numel = flat.numel()
-        buckets = self._as_buckets(flat)
-        norms = buckets.norm(dim=1) if self.norm == "l2" else buckets.abs().amax(dim=1)
+        rows = padded_rows(flat, self.bucket_size, "qsgd")
+        norms = rows.norm(dim=1) if self.norm == "l2" else torch.maximum(rows.amax(1), rows.amin(1).neg())
         # A zero bucket has a zero norm: dividing by a tiny number keeps its levels at zero. Divide
         # |v_i| by the norm before multiplying by levels: levels / tiny overflows to inf (levels
-        # >= 4), and 0 * inf is NaN. The clamp: a level above s, were rounding to push |v_i| / norm
-        # past 1, would leave the grid, and its negative code would wrap around in uint8.
+        # >= 4), and 0 * inf is NaN.
         divisor = norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
-        scaled = buckets.abs().div_(divisor).mul_(self.levels).clamp_(max=self.levels)  # in [0, s]
-        lower = scaled.floor()
-        noise = torch.rand(scaled.shape, generator=self.generator(x.device), device=x.device)
-        levels = lower.add_(noise < scaled.sub_(lower))  # round up with probability frac
-        codes = (levels * buckets.sign() + self.levels).reshape(-1)[:numel]
+        scaled = rows.abs_().div_(divisor).mul_(self.levels)  # in [0, s], up to rounding
+        # Stochastic rounding: floor(a + u) rounds a up with probability frac(a) for u uniform in
+        # [0, 1). The clamp: a level above s, were float rounding to push a + u past s + 1, would
+        # leave the grid and its code would wrap around in uint8.
+        noise = scratch("qsgd-noise", scaled.numel(), torch.float32, x.device)
+        noise.uniform_(generator=self.generator(x.device))
+        levels = scaled.view(-1).add_(noise).floor_().clamp_(max=self.levels)[:numel]
+        codes = scratch("qsgd-codes", numel, torch.uint8, x.device)
+        codes.copy_(levels.copysign_(flat).add_(self.levels))  # l + s for the signed level l
         return (pack_bits(codes, self.bits), norms), (x.shape, x.dtype)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
@@ -66,17 +70,12 @@ class QSGD(SeededCompressor):
                 f"qsgd payload has {norms.numel()} bucket norms but a tensor of {numel} elements "
                 f"has {num_buckets} buckets of {self.bucket_size}"
             )
-        signed = unpack_bits(packed, self.bits, numel).float() - self.levels
-        buckets = self._as_buckets(signed)
-        values = buckets * (norms / self.levels).unsqueeze(1)
-        return values.reshape(-1)[:numel].to(dtype).reshape(shape)
+        out = torch.empty(num_buckets * self.bucket_size, dtype=torch.float32, device=packed.device)
+        out[:numel].copy_(unpack_bits(packed, self.bits, numel)).sub_(self.levels)
+        out[numel:].zero_()
+        out.view(num_buckets, self.bucket_size).mul_((norms / self.levels).unsqueeze(1))
+        return out[:numel].to(dtype).reshape(shape)
 
     def payload_bytes(self, numel: int) -> int:
         num_buckets = -(-numel // self.bucket_size)
         return packed_nbytes(numel, self.bits) + 4 * num_buckets
-
-    def _as_buckets(self, flat: torch.Tensor) -> torch.Tensor:
-        tail = -flat.numel() % self.bucket_size
-        if tail:
-            flat = torch.cat([flat, flat.new_zeros(tail)])
-        return flat.view(-1, self.bucket_size)

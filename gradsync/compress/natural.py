@@ -1,0 +1,67 @@
+"""Natural compression: stochastic rounding to a signed power of two."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..wire import pack_bits, packed_nbytes, unpack_bits
+from .base import Payload, SeededCompressor
+from .scratch import scratch
+
+_MANTISSA_BITS = 23
+_MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
+_LARGEST_FINITE_EXPONENT = 254  # 255 means inf or NaN in IEEE fp32
+
+
+class Natural(SeededCompressor):
+    """Natural compression (Horvath et al., "Natural Compression for Distributed Deep Learning",
+    MSML 2022).
+
+    |t| = 2^e (1 + m) becomes 2^(e+1) with probability m and 2^e otherwise: unbiased, with
+    omega = 1/8. In IEEE terms the mantissa is dropped and the exponent bumped with probability
+    mantissa / 2^23, which a 23-bit uniform integer decides exactly. Wire: 9 bits per element,
+    the 8-bit exponent and the sign bit. Zero stays zero; subnormals become 0 or 2^-126, still
+    unbiased; exponents saturate at 2^127 rather than overflow to inf. Inputs are rounded in
+    fp32. Payloads differ per rank and are not additive: exchanged by allgather.
+    """
+
+    unbiased = True
+    randomness = "local"
+
+    def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
+        flat = x.reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        bits = flat.view(torch.int32)
+        numel = flat.numel()
+        draw = scratch("natural-draw", numel, torch.int32, flat.device)
+        draw.random_(generator=self.generator(flat.device)).bitwise_and_(_MANTISSA_MASK)
+        field = scratch("natural-field", numel, torch.int32, flat.device)
+        # draw - mantissa is negative exactly when draw < mantissa (both lie in [0, 2^23)), so its
+        # sign, shifted down, is -1 where the exponent rounds up and 0 elsewhere: integer
+        # arithmetic in place, where adding a bool mask would convert it.
+        mantissa = torch.bitwise_and(bits, _MANTISSA_MASK, out=field)
+        minus_round_up = draw.sub_(mantissa).bitwise_right_shift_(31)
+        exponent = torch.bitwise_right_shift(bits, _MANTISSA_BITS, out=field).bitwise_and_(0xFF)
+        exponent.sub_(minus_round_up).clamp_(max=_LARGEST_FINITE_EXPONENT)
+        negative = torch.lt(bits, 0, out=scratch("negative", numel, torch.bool, flat.device))
+        return (exponent.to(torch.uint8), pack_bits(negative, 1)), (x.shape, x.dtype)
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        exponents, signs = payload
+        shape, dtype = ctx
+        numel = shape.numel()
+        if exponents.numel() != numel:
+            raise ValueError(
+                f"natural payload has {exponents.numel()} exponents for a tensor of {numel} "
+                "elements: it belongs to another tensor"
+            )
+        out = exponents.to(torch.int32).bitwise_left_shift_(_MANTISSA_BITS)
+        sign = scratch("natural-sign", numel, torch.int32, exponents.device)
+        out.bitwise_or_(sign.copy_(unpack_bits(signs, 1, numel)).bitwise_left_shift_(31))
+        return out.view(torch.float32).to(dtype).reshape(shape)
+
+    def payload_bytes(self, numel: int) -> int:
+        return numel + packed_nbytes(numel, 1)

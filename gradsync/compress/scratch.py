@@ -1,0 +1,50 @@
+"""Reusable temporaries for codec kernels on the CPU.
+
+A fresh tensor of tens of MiB comes from mmap and is paid for in page faults on first touch:
+for 2^24 fp32 elements that is most of the cost of a clone. Kernels that need a full-size
+temporary take it from here instead, so it is faulted in once per thread, not once per call.
+CUDA's caching allocator already reuses freed blocks, so elsewhere this hands out fresh tensors.
+
+A scratch tensor never leaves the kernel that asked for it (never in a payload, a ctx or an
+output), and is valid until the same thread asks for the same slot again. Pools are per thread
+because the exchange decodes in the communication library's callback thread while the hook
+compresses the next bucket.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_local = threading.local()
+
+
+def scratch(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized 1-D tensor of `numel` elements, reused across calls naming `slot`."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    pool: dict[tuple[str, torch.dtype], torch.Tensor] = _local.__dict__.setdefault("pool", {})
+    buffer = pool.get((slot, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = pool[slot, dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
+
+
+def release() -> None:
+    """Free this thread's scratch tensors (tests, or after the largest tensors are gone)."""
+    _local.__dict__.pop("pool", None)
+
+
+def padded_rows(flat: torch.Tensor, row_size: int, slot: str) -> torch.Tensor:
+    """`flat` as float32 in a scratch (num_rows, row_size) tensor, the last row padded with zeros.
+
+    One in-place pass over warm memory; padding the input itself with torch.cat would allocate
+    (and fault in) a fresh copy.
+    """
+    numel = flat.numel()
+    num_rows = -(-numel // row_size)
+    rows = scratch(slot, num_rows * row_size, torch.float32, flat.device)
+    rows[:numel].copy_(flat)
+    rows[numel:].zero_()
+    return rows.view(num_rows, row_size)

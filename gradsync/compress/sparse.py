@@ -1,0 +1,111 @@
+"""What sparsifying codecs share: the payload layout and fast top-k selection.
+
+A sparse payload is (encoded indices, values): the indices ascending, encoded by
+`wire.encode_indices` as int32 COO or as a bitmap, whichever is smaller at this density, and the
+values in the same order. The decoder learns the number of values from the payload itself, so
+the same layout serves fixed-size codecs (top-k, DGC) and variable-size ones (threshold).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..wire import decode_indices, encode_indices
+from .base import Compressor, Payload, shape_ctx
+from .scratch import scratch
+
+# How many more candidates than k the sampled threshold aims for: a margin makes a second,
+# lower threshold rarely necessary, while the exact top-k among ~1.5k candidates stays cheap.
+OVERSELECT = 1.5
+_MIN_SAMPLE = 256
+
+
+class Sparsifier(Compressor):
+    """Base of codecs that send some entries and their positions; subclasses choose which."""
+
+    def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
+        flat = x.reshape(-1)
+        indices = self.select(flat)
+        return sparse_payload(flat, indices), shape_ctx(x)
+
+    def select(self, flat: torch.Tensor) -> torch.Tensor:
+        """Ascending, distinct int64 indices of the entries to send."""
+        raise NotImplementedError(f"{type(self).__name__} must implement select")
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        return decode_sparse(payload, ctx)
+
+    def add_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
+        add_sparse_(out, payload)
+
+
+def sparse_payload(flat: torch.Tensor, indices: torch.Tensor) -> Payload:
+    """The wire form of `flat` restricted to ascending `indices`."""
+    return encode_indices(indices, flat.numel()), flat[indices]
+
+
+def decode_sparse(payload: Payload, ctx: tuple[torch.Size, torch.dtype]) -> torch.Tensor:
+    """The dense tensor a sparse payload stands for."""
+    shape, dtype = ctx
+    out = torch.zeros(shape.numel(), dtype=dtype, device=payload[1].device)
+    add_sparse_(out, payload)
+    return out.reshape(shape)
+
+
+def add_sparse_(out: torch.Tensor, payload: Payload) -> None:
+    """out += the dense tensor a sparse payload stands for, without making that tensor."""
+    encoded, values = payload
+    indices = decode_indices(encoded, out.numel(), values.numel())
+    # Indices are distinct within one payload, so this adds in a fixed order even on CUDA.
+    out.view(-1).index_add_(0, indices, values.to(out.dtype))
+
+
+def magnitude(flat: torch.Tensor) -> torch.Tensor:
+    """|flat| in a scratch tensor: valid until the next call on this thread."""
+    return torch.abs(flat, out=scratch("magnitude", flat.numel(), flat.dtype, flat.device))
+
+
+def exact_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending indices of the k largest magnitudes, by torch.topk."""
+    if k >= flat.numel():
+        return torch.arange(flat.numel(), device=flat.device)
+    return magnitude(flat).topk(k, sorted=False).indices.sort().values
+
+
+def sampled_topk(flat: torch.Tensor, k: int, sample_ratio: float, generator: torch.Generator) -> torch.Tensor:
+    """Ascending indices of exactly k largest magnitudes, found through a sampled threshold.
+
+    A random sample of `sample_ratio` of the entries estimates the magnitude above which about
+    1.5k entries lie; the exact top-k is then taken among those candidates only. When the sample
+    underestimates the tail and fewer than k pass, the threshold is lowered and tried again, so
+    the result is always the top k (the same set as exact_topk up to ties).
+    """
+    numel = flat.numel()
+    if k >= numel:
+        return torch.arange(numel, device=flat.device)
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=flat.device)
+    size = magnitude(flat)
+    num_samples = min(numel, max(_MIN_SAMPLE, int(numel * sample_ratio)))
+    sample_at = torch.randint(numel, (num_samples,), generator=generator, device=flat.device)
+    sample = size[sample_at]
+    # Rank of the threshold within the sample, aiming for about 1.5k candidates overall.
+    wanted = min(num_samples, max(1, int(num_samples * k / numel * OVERSELECT) + 1))
+    while wanted < num_samples:
+        threshold = sample.kthvalue(num_samples - wanted + 1).values
+        candidates = (size >= threshold).nonzero().squeeze(1)  # ascending
+        if candidates.numel() >= k:
+            return _best_of(candidates, size[candidates], k)
+        wanted *= 4  # the sample underestimated the tail: lower the threshold and retry
+    return exact_topk(flat, k)
+
+
+def _best_of(candidates: torch.Tensor, sizes: torch.Tensor, k: int) -> torch.Tensor:
+    """The k candidates of largest size, still ascending: a mask keeps their order without a sort."""
+    if candidates.numel() == k:
+        return candidates
+    keep = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+    keep[sizes.topk(k, sorted=False).indices] = True
+    return candidates[keep]
