@@ -27,8 +27,9 @@ class SyncConfig:
     compressor: str = "topk"
     compressor_args: Mapping[str, Any] = field(default_factory=dict)
     # Error feedback: "none", "ef" (residual), "ef21" or "econtrol"; and its parameters
-    # (econtrol: {"eta": float}).
-    error_feedback: str = "ef"
+    # (econtrol: {"eta": float}). "auto": "ef" for codecs that need it (biased ones such as
+    # top-k), "none" for the others (casts, unbiased codecs, DGC, the majority vote).
+    error_feedback: str = "auto"
     error_feedback_args: Mapping[str, Any] = field(default_factory=dict)
     # Steps of plain fp32 allreduce before compressing; >= 2, since DDP rebuilds its buckets
     # after the first step and compression state is kept per bucket.
@@ -50,16 +51,18 @@ class SyncConfig:
         object.__setattr__(self, "compressor_args", ReadOnlyDict(self.compressor_args))
         object.__setattr__(self, "error_feedback_args", ReadOnlyDict(self.error_feedback_args))
         codec = compress.build(self.compressor, **self.compressor_args)
-        feedback.build(self.error_feedback, **self.error_feedback_args)
+        self._check_feedback(type(codec))
+        feedback.build(self.feedback_name, **self.error_feedback_args)
         check_int("warmup_steps", self.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
         check_int("min_compress_numel", self.min_compress_numel, 0, why="a count of elements")
         check_int("seed", self.seed, 0, _SEED_BOUND, why="a non-negative integer")
-        if self.error_feedback == "none" and type(codec).needs_feedback:
-            warnings.warn(
-                f"compressor {self.compressor!r} is biased and error_feedback='none': what it drops is "
-                "lost for good, which usually costs accuracy; use error_feedback='ef'",
-                stacklevel=3,
-            )
+
+    @property
+    def feedback_name(self) -> str:
+        """The error-feedback form in use: error_feedback, with "auto" resolved for the codec."""
+        if self.error_feedback != "auto":
+            return self.error_feedback
+        return "ef" if compress.lookup(self.compressor).needs_feedback else "none"
 
     def build_compressor(self, seed: int) -> compress.Compressor:
         """A fresh compressor; `seed` goes to those that draw random numbers."""
@@ -69,7 +72,34 @@ class SyncConfig:
         return compress.build(self.compressor, **args)
 
     def build_feedback(self) -> feedback.Feedback:
-        return feedback.build(self.error_feedback, **self.error_feedback_args)
+        return feedback.build(self.feedback_name, **self.error_feedback_args)
+
+    def _check_feedback(self, codec: type[compress.Compressor]) -> None:
+        form = self.error_feedback
+        if form == "auto" and self.error_feedback_args:
+            raise ValueError(
+                f"error_feedback_args={dict(self.error_feedback_args)} given with error_feedback='auto'; "
+                "name the form they belong to, e.g. error_feedback='econtrol'"
+            )
+        if form in ("auto", "none"):
+            if form == "none" and codec.needs_feedback:
+                warnings.warn(
+                    f"compressor {self.compressor!r} is biased and error_feedback='none': what it drops "
+                    "is lost for good, which usually costs accuracy; use error_feedback='ef'",
+                    stacklevel=4,
+                )
+            return
+        if codec.owns_memory:
+            raise ValueError(
+                f"compressor {self.compressor!r} keeps its own error memory, so error_feedback="
+                f"{form!r} would count what it holds back twice; use error_feedback='none' or 'auto'"
+            )
+        if codec.majority_vote:
+            raise ValueError(
+                f"compressor {self.compressor!r} combines ranks by majority vote, a unit step per "
+                f"element rather than an estimate of the gradient, so error_feedback={form!r} does "
+                "not apply; use error_feedback='none' or 'auto'"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {

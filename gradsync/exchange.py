@@ -5,14 +5,19 @@ The scheme follows the compressor's declared capabilities:
   allgather  any other payload: one allgather of each rank's payload bytes; codecs whose payload
              size varies from rank to rank exchange their sizes first.
   rounds     multi-round summable codecs (PowerSGD): one allreduce per round.
+  vote       majority-vote codecs (signSGD, Signum): each rank's sign bits become 0/1 votes in
+             fields of ceil(log2(n + 1)) bits packed into int32 words, one int32 allreduce sums
+             every field at once, and the result is sign(2 * votes - n): +1, -1 or 0 on a tie.
   plain      no codec: the tensor itself is allreduced (warm-up steps, small buckets).
 
 Every rank decodes the payloads in rank order into a fresh tensor, so the sum is bit-identical
 on every rank. The callers pre-divide by the world size, so the sum is the average.
 
 Non-finite gradients: a rank whose tensor is not finite compresses zeros instead, so its codec
-state stays in step with the other ranks, and writes a NaN into its payload. Every rank sees that
-NaN after the exchange, so all of them agree that the step is non-finite.
+state stays in step with the other ranks, and raises a flag: every frame ends in one element
+(one byte for allgather) that is 0 on ranks whose input was finite. Summed or gathered, it tells
+every rank that the step is non-finite; so does any non-finite value in a float payload (an fp16
+overflow), so a non-finite decode never reaches error feedback.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch.futures import Future
 
 from .comm import Comm, allgather_sizes, completed
 from .compress import Compressor, Payload
+from .wire import field_bits, pack_fields, unpack_bits, unpack_fields
 
 Local = Callable[[], torch.Tensor]
 
@@ -37,8 +43,8 @@ class Exchanged:
     total: torch.Tensor | None  # decoded sum over ranks, same bits on every rank; None if not finite
     local: Callable[[], torch.Tensor]  # this rank's own decoded payload, for error feedback
     finite: bool  # False when any rank's input was not finite
-    payload_bytes: int  # bytes of this rank's payload, all rounds
-    bytes_sent: int  # bytes this rank sends over its links (ring algorithms)
+    payload_bytes: int  # bytes of this rank's payload as exchanged (votes: the count fields), all rounds
+    bytes_sent: int  # bytes this rank sends over its links (ring algorithms), flags and padding included
     seconds: dict[str, float] = field(default_factory=dict)  # compress, communicate, decompress
 
 
@@ -55,16 +61,16 @@ def start(codec: Compressor | None, x: torch.Tensor, comm: Comm, finite: bool = 
     if codec.rounds > 1:
         return _rounds(codec, x, comm, finite, clock)
     payload, ctx = codec.compress(x if finite else torch.zeros_like(x))
-    if not finite:
-        payload = _poisoned(payload)
     clock.lap("compress")
 
     def local() -> torch.Tensor:
         return codec.decompress(payload, ctx)
 
+    if type(codec).majority_vote:
+        return _vote(payload, x, comm, finite, clock, local)
     if type(codec).summable:
-        return _allreduce(payload, comm, clock, lambda summed: (codec.decompress(summed, ctx), local))
-    return _allgather(codec, payload, ctx, x, comm, clock, local)
+        return _allreduce(payload, comm, finite, clock, lambda summed: (codec.decompress(summed, ctx), local))
+    return _allgather(codec, payload, ctx, x, comm, finite, clock, local)
 
 
 def allreduce_sent_bytes(nbytes: int, world_size: int) -> int:
@@ -91,24 +97,49 @@ def _plain(x: torch.Tensor, comm: Comm, clock: _Clock) -> Future[Exchanged]:
 def _allreduce(
     payload: Payload,
     comm: Comm,
+    finite: bool,
     clock: _Clock,
     decode: Callable[[Payload], tuple[torch.Tensor, Local]],
     spent: tuple[int, int] = (0, 0),
 ) -> Future[Exchanged]:
     """Sum the payload over ranks; `decode` turns the summed payload into (total, local)."""
     # The frame is a copy: error feedback decodes the unsummed payload after the exchange.
-    frame = torch.cat([t.reshape(-1) for t in payload])
-    payload_bytes = spent[0] + frame.nbytes
+    frame = _framed([t.reshape(-1) for t in payload], finite)
+    payload_bytes = spent[0] + frame.nbytes - frame.element_size()
     sent = spent[1] + allreduce_sent_bytes(frame.nbytes, comm.world_size)
 
     def done(future: Future[torch.Tensor]) -> Exchanged:
         clock.lap("communicate")
         summed_frame = future.value()
-        if not _all_finite((summed_frame,)):
+        if summed_frame[-1] != 0 or not _all_finite((summed_frame,)):
             return Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds)
-        total, local = decode(_split(summed_frame, payload))
+        total, local = decode(_split(summed_frame[:-1], payload))
         clock.lap("decompress")
         return Exchanged(total, local, True, payload_bytes, sent, clock.seconds)
+
+    return comm.allreduce(frame).then(done)
+
+
+def _vote(
+    payload: Payload, like: torch.Tensor, comm: Comm, finite: bool, clock: _Clock, local: Local
+) -> Future[Exchanged]:
+    """Majority vote over ranks' sign bits: counts summed in packed int32 fields by one allreduce."""
+    numel = like.numel()
+    bits = field_bits(comm.world_size)  # a field must hold a count of up to world_size votes
+    words = pack_fields(unpack_bits(payload[0], 1, numel), bits)
+    frame = _framed([words], finite)
+    sent = allreduce_sent_bytes(frame.nbytes, comm.world_size)
+    clock.lap("compress")
+
+    def done(future: Future[torch.Tensor]) -> Exchanged:
+        clock.lap("communicate")
+        summed = future.value()
+        if summed[-1] != 0:
+            return Exchanged(None, _not_finite, False, words.nbytes, sent, clock.seconds)
+        votes_for_plus = unpack_fields(summed[:-1], bits, numel)
+        total = votes_for_plus.mul_(2).sub_(comm.world_size).sign_().to(like.dtype).view(like.shape)
+        clock.lap("decompress")
+        return Exchanged(total, local, True, words.nbytes, sent, clock.seconds)
 
     return comm.allreduce(frame).then(done)
 
@@ -119,23 +150,26 @@ def _allgather(
     ctx: object,
     like: torch.Tensor,
     comm: Comm,
+    finite: bool,
     clock: _Clock,
     local: Callable[[], torch.Tensor],
 ) -> Future[Exchanged]:
-    frame = torch.cat([t.reshape(-1).view(torch.uint8) for t in payload])
+    frame = _framed([t.reshape(-1).view(torch.uint8) for t in payload], finite)
     if type(codec).fixed_size:
         layouts = [[(t.dtype, t.shape) for t in payload]] * comm.world_size
     else:
         numels = allgather_sizes(comm, [t.numel() for t in payload], frame.device)
         layouts = [[(t.dtype, (n,)) for t, n in zip(payload, row, strict=True)] for row in numels]
-        longest = max(sum(_nbytes(layout)) for layout in layouts)
+        longest = max(sum(_nbytes(layout)) for layout in layouts) + 1  # + the flag
         frame = torch.cat([frame, frame.new_zeros(longest - frame.numel())])
     sent = allgather_sent_bytes(frame.numel(), comm.world_size)
 
     def done(future: Future[list[torch.Tensor]]) -> Exchanged:
         clock.lap("communicate")
-        payloads = [_from_bytes(f, layout) for f, layout in zip(future.value(), layouts, strict=True)]
-        finite = all(_all_finite(p) for p in payloads)
+        frames = future.value()
+        payloads = [_from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
+        flags = [f[sum(_nbytes(layout))] for f, layout in zip(frames, layouts, strict=True)]
+        finite = all(flag == 0 for flag in flags) and all(_all_finite(p) for p in payloads)
         total = None
         if finite:
             total = torch.zeros_like(like)
@@ -150,36 +184,30 @@ def _allgather(
 def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, clock: _Clock) -> Future[Exchanged]:
     """Multi-round summable protocol: every round but the last blocks, since the next depends on it."""
     payload, ctx = codec.begin(x if finite else torch.zeros_like(x))  # type: ignore[attr-defined]
-    if not finite:
-        payload = _poisoned(payload)
     payload_bytes = sent = 0
     for _ in range(codec.rounds - 1):
         clock.lap("compress")
-        frame = torch.cat([t.reshape(-1) for t in payload])
-        payload_bytes += frame.nbytes
+        frame = _framed([t.reshape(-1) for t in payload], finite)
+        payload_bytes += frame.nbytes - frame.element_size()
         sent += allreduce_sent_bytes(frame.nbytes, comm.world_size)
-        summed = _split(comm.allreduce(frame).wait(), payload)
+        summed_frame = comm.allreduce(frame).wait()
         clock.lap("communicate")
-        if not _all_finite(summed):
+        if summed_frame[-1] != 0 or not _all_finite((summed_frame,)):
             return completed(Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds))
-        payload, ctx = codec.next_round(summed, ctx)  # type: ignore[attr-defined]
+        payload, ctx = codec.next_round(_split(summed_frame[:-1], payload), ctx)  # type: ignore[attr-defined]
     clock.lap("compress")
     finish = codec.finish  # type: ignore[attr-defined]
-    return _allreduce(payload, comm, clock, lambda summed: finish(summed, ctx), (payload_bytes, sent))
+    return _allreduce(payload, comm, True, clock, lambda summed: finish(summed, ctx), (payload_bytes, sent))
 
 
 def _not_finite() -> torch.Tensor:
     raise AssertionError("a non-finite step has no decoded payload; feedback must not be updated")
 
 
-def _poisoned(payload: Payload) -> Payload:
-    """The payload with a NaN in its first floating-point element, which every decoder keeps."""
-    for i, t in enumerate(payload):
-        if t.is_floating_point() and t.numel():
-            poisoned = t.clone()
-            poisoned.view(-1)[0] = float("nan")
-            return (*payload[:i], poisoned, *payload[i + 1 :])
-    raise AssertionError("every payload carries a floating-point tensor to mark a non-finite step")
+def _framed(parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
+    """The parts concatenated (one dtype), then the flag: 0 if this rank's input was finite, else 1."""
+    flag = torch.full((1,), 0 if finite else 1, dtype=parts[0].dtype, device=parts[0].device)
+    return torch.cat([*parts, flag])
 
 
 def _all_finite(tensors: Payload) -> bool:

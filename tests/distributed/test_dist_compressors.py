@@ -21,12 +21,13 @@ STEPS = 20
 WARMUP_STEPS = 2
 BUCKET_CAP_MB = 0.004  # two buckets after DDP's rebuild: several compression points
 NUM_BUCKETS = 2
-# (compressor, error_feedback): every codec with residual feedback; every feedback form with a
-# codec exchanged by allgather (topk) and one exchanged by allreduce (randk).
-CASES = [(name, "ef") for name in compress.names()] + [
+# (compressor, error_feedback): every codec with the feedback "auto" picks for it (residual
+# feedback for biased codecs); every feedback form with a codec exchanged by allgather (topk) and
+# one exchanged by allreduce (randk).
+CASES = [(name, "auto") for name in compress.names()] + [
     (name, form) for form in feedback.names() for name in ("topk", "randk")
 ]
-CASES = list(dict.fromkeys(CASES))  # topk+ef and randk+ef appear in both lists
+CASES = list(dict.fromkeys(CASES))
 
 
 def train_every_case(rank: int, world_size: int) -> dict:
