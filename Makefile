@@ -1,4 +1,4 @@
-# Set-up and the two commands. Every target creates .venv if it is missing and installs what it needs.
+# Set-up and the commands. Every target creates .venv if it is missing and installs what it needs.
 PYTHON ?= python3
 VENV ?= .venv
 # torch==2.13.0 installs the CPU build here; override for another build, e.g. TORCH_SPEC='torch==2.13.0+cu128'.
@@ -6,10 +6,14 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo bench-kernels test test-all lint clean
 
 demo: $(STAMP)
 	$(BIN)/python -m gradsync demo
+
+# Compress + decompress time of every compressor vs a plain copy; writes runs/bench-kernels.json.
+bench-kernels: $(STAMP)
+	$(BIN)/python -m gradsync bench kernels
 
 test: $(STAMP)
 	$(BIN)/ruff check gradsync tests

@@ -1,12 +1,14 @@
-"""Command line: `gradsync list | demo` (python -m gradsync works the same)."""
+"""Command line: `gradsync list | demo | bench kernels` (python -m gradsync works the same)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 
 from . import compress
+from .bench import kernels
 
 # Bits per element are quoted for a tensor of this many fp32 elements (4 MiB).
 _LIST_NUMEL = 1 << 20
@@ -19,9 +21,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     demo = commands.add_parser("demo", help="train a small model with 2 ranks: plain DDP vs gradsync")
     demo.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
+    bench = commands.add_parser("bench", help="benchmarks: kernels")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    # One entry per benchmark, each with its own parser for its own errors.
+    bench_parsers = {"kernels": _add_bench_kernels(benches)}
     args = parser.parse_args(argv)
     if args.command == "list":
         return _list(args.json)
+    if args.command == "bench":
+        run_bench = {"kernels": _bench_kernels}[args.bench]
+        return run_bench(args, bench_parsers[args.bench])
     if args.steps < 20:
         parser.error(f"--steps={args.steps} is too short: warm-up alone takes 10 steps; use >= 20")
     from .demo import main as demo_main  # imports torch.multiprocessing only when needed
@@ -60,4 +69,56 @@ def _list(as_json: bool) -> int:
             f"{r['bits_per_element']:>9.3f}  {params}"
         )
     print(f"\nbits/elem: payload bits per element of a {_LIST_NUMEL:,}-element fp32 tensor (fp32 = 32).")
+    return 0
+
+
+def _add_bench_kernels(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    kernels_parser = benches.add_parser(
+        "kernels", help="compress + decompress time of every compressor, as a ratio to a plain copy"
+    )
+    kernels_parser.add_argument(
+        "--numel", type=int, default=2**24, help="fp32 elements of the tensor (default 2**24)"
+    )
+    kernels_parser.add_argument(
+        "--repeats", type=int, default=5, help="timed calls per variant; the median counts (default 5)"
+    )
+    kernels_parser.add_argument(
+        "--only",
+        type=_comma_list,
+        default=None,
+        help=f"comma-separated labels to run (default all): {','.join(kernels.variant_labels())}",
+    )
+    kernels_parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    kernels_parser.add_argument(
+        "--json", default="runs/bench-kernels.json", help="where to write the results (default %(default)s)"
+    )
+    return kernels_parser
+
+
+def _comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _bench_kernels(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for flag, example in (("numel", 2**24), ("repeats", 5), ("threads", 1)):
+        value = getattr(args, flag)
+        if value < 1:
+            parser.error(f"--{flag}={value} must be >= 1; pass e.g. --{flag}={example}")
+    if args.only is not None:
+        valid = kernels.variant_labels()
+        unknown = [label for label in args.only if label not in valid]
+        if unknown or not args.only:
+            what = f"unknown label(s) {unknown}" if unknown else "no labels given"
+            parser.error(f"--only: {what}; valid labels: {','.join(valid)}")
+    results = kernels.run(
+        numel=args.numel,
+        repeats=args.repeats,
+        labels=args.only,
+        threads=args.threads,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(kernels.format_table(results, threads=args.threads))
+    meta = kernels.metadata(args.numel, args.threads, args.repeats)
+    path = kernels.write_json(results, meta, args.json)
+    print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -1,0 +1,1 @@
+"""Benchmarks: `gradsync bench kernels` times every codec against a plain copy of the same tensor."""

@@ -1,0 +1,229 @@
+"""Kernel benchmark: compress + decompress time of every codec as a ratio to a plain copy.
+
+Each codec is timed on one fp32 tensor against `x.clone()` of the same tensor in the same run, so
+the ratio cancels out most of the machine's memory bandwidth and is comparable across machines.
+
+Example:
+    >>> from gradsync.bench import kernels
+    >>> results = kernels.run(numel=4096, repeats=2, labels=["fp16", "topk-sampled"])
+    >>> print(kernels.format_table(results, threads=1))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import compress
+
+Variant = tuple[str, str, dict[str, Any]]  # (label, compressor name, constructor args)
+
+# Extra argument sets benchmarked besides each codec's defaults; skipped while not registered.
+_EXTRA_VARIANTS: list[Variant] = [("topk-sampled", "topk", {"mode": "sampled"})]
+# Arguments instead of the defaults where the defaults do not fit the benchmark's N(0, 1) input:
+# |x| >= 2.5758 holds for 1% of it, the density of top-k's default ratio.
+_BENCH_ARGS: dict[str, dict[str, Any]] = {"threshold": {"threshold": 2.5758}}
+
+
+def _variants() -> list[Variant]:
+    """One row per registered codec with default args, then the registered extra rows."""
+    rows: list[Variant] = [(name, name, _BENCH_ARGS.get(name, {})) for name in compress.names()]
+    registered = set(compress.names())
+    return rows + [row for row in _EXTRA_VARIANTS if row[1] in registered]
+
+
+VARIANTS: list[Variant] = _variants()
+
+# Target time per label, as a multiple of the clone time (from the kernel-benchmark issue). Labels
+# missing here (identity, exact topk, powersgd) are only reported.
+TARGETS: dict[str, float] = {
+    "fp16": 2,
+    "bf16": 2,
+    "randk": 2,
+    "signsgd": 3,
+    "signum": 3,
+    "efsignsgd": 3,
+    "onebit": 3,
+    "int8": 3,
+    "topk-sampled": 4,
+    "dgc": 4,
+    "threshold": 4,
+    "qsgd": 6,
+    "terngrad": 6,
+    "natural": 6,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResult:
+    """The timing of one variant; target and meets_target are None for a report-only variant."""
+
+    label: str
+    compressor: str  # registry name
+    args: dict[str, Any]  # constructor args besides the defaults (seed excluded)
+    numel: int  # fp32 elements of the benchmarked tensor
+    seconds: float  # median compress + decompress time
+    clone_seconds: float  # median x.clone() time of the same run
+    ratio: float  # seconds / clone_seconds; lower is better
+    bits_per_element: float  # payload bits actually produced, per input element
+    target: float | None  # the ratio to stay at or below
+    meets_target: bool | None
+
+
+def variant_labels() -> list[str]:
+    """Every label `run` accepts, in benchmark order."""
+    return [label for label, _, _ in VARIANTS]
+
+
+def run(
+    numel: int = 2**24,
+    repeats: int = 5,
+    labels: Sequence[str] | None = None,
+    threads: int = 1,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[KernelResult]:
+    """Time compress + decompress of every variant (or those in `labels`) on `threads` threads."""
+    variants = _select(labels)
+    if numel < 1:
+        raise ValueError(f"numel={numel} must be >= 1; pass a tensor size such as 2**24")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1; pass e.g. 5 (the median of the timed calls)")
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1; pass 1 for the single-thread benchmark")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+        results = []
+        for i, variant in enumerate(variants, start=1):
+            if progress is not None:
+                progress(f"[{i}/{len(variants)}] {variant[0]} ...")
+            results.append(_time_variant(variant, x, repeats, seed))
+    finally:
+        torch.set_num_threads(previous_threads)
+    return results
+
+
+def format_table(results: Sequence[KernelResult], threads: int) -> str:
+    """A Markdown table of `results`, a header line naming the set-up, and the missed targets."""
+    numel = results[0].numel if results else 0
+    clone_ms = f"{1e3 * statistics.median(r.clone_seconds for r in results):.3f}" if results else "-"
+    lines = [
+        f"numel={numel:,} fp32, threads={threads}, clone={clone_ms} ms (median over rows), "
+        f"torch {torch.__version__}",
+        "",
+        "| compressor | args | ms | x clone | bits/elem | target | met |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        args = ", ".join(f"{k}={v}" for k, v in r.args.items()) or "-"
+        target = "-" if r.target is None else f"<= {r.target:g}x"
+        met = {None: "-", True: "yes", False: "**no**"}[r.meets_target]
+        lines.append(
+            f"| {r.label} | {args} | {1e3 * r.seconds:.3f} | {r.ratio:.2f} | "
+            f"{r.bits_per_element:.3f} | {target} | {met} |"
+        )
+    missed = [f"{r.label} ({r.ratio:.1f}x > {r.target:g}x)" for r in results if r.meets_target is False]
+    lines.append("")
+    lines.append(f"Missed: {', '.join(missed)}" if missed else "All targets met.")
+    return "\n".join(lines)
+
+
+def metadata(numel: int, threads: int, repeats: int) -> dict[str, Any]:
+    """The set-up of a run, stored next to its results."""
+    return {
+        "numel": numel,
+        "threads": threads,
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "processor": platform.processor(),
+        "machine": platform.machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def to_json(results: Sequence[KernelResult], meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` and the results as plain dicts, ready for json.dump."""
+    return {"meta": meta, "results": [dataclasses.asdict(r) for r in results]}
+
+
+def write_json(results: Sequence[KernelResult], meta: dict[str, Any], path: str | Path) -> Path:
+    """Write `to_json(results, meta)` to `path`, creating its parent directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_json(results, meta), indent=2) + "\n")
+    return path
+
+
+def _select(wanted: Sequence[str] | None) -> list[Variant]:
+    if wanted is None:
+        return list(VARIANTS)
+    valid = variant_labels()
+    unknown = [label for label in wanted if label not in valid]
+    if unknown or not wanted:
+        what = f"unknown label(s) {unknown}" if unknown else "no labels given"
+        raise ValueError(f"{what}; valid labels: {', '.join(valid)}")
+    return [v for v in VARIANTS if v[0] in wanted]
+
+
+def _time_variant(variant: Variant, x: torch.Tensor, repeats: int, seed: int) -> KernelResult:
+    """Median compress + decompress seconds of one variant against the median clone, interleaved.
+
+    Fresh allocations cost page faults whose price drifts with the machine's memory state, so each
+    codec call is paired with a clone timed right before it: the ratio compares like with like.
+    One untimed call of each first: lazy initialisation is not a per-call cost.
+    """
+    _, name, args = variant
+    if "seed" in compress.parameters(name):
+        args = {**args, "seed": seed}
+    codec = compress.build(name, **args)
+
+    def round_trip() -> compress.Payload:
+        payload, ctx = codec.compress(x)
+        codec.decompress(payload, ctx)
+        return payload
+
+    payload = round_trip()
+    x.clone()
+    codec_times, clone_times = [], []
+    for _ in range(repeats):
+        clone_times.append(_seconds(x.clone))
+        codec_times.append(_seconds(round_trip))
+    bits = 8 * sum(t.nbytes for t in payload) / x.numel()
+    return _result(variant, x.numel(), statistics.median(codec_times), statistics.median(clone_times), bits)
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _result(
+    variant: Variant, numel: int, seconds: float, clone_seconds: float, bits_per_element: float
+) -> KernelResult:
+    label, name, args = variant
+    ratio = seconds / clone_seconds
+    target = TARGETS.get(label)
+    return KernelResult(
+        label=label,
+        compressor=name,
+        args=dict(args),
+        numel=numel,
+        seconds=seconds,
+        clone_seconds=clone_seconds,
+        ratio=ratio,
+        bits_per_element=bits_per_element,
+        target=target,
+        meets_target=None if target is None else ratio <= target,
+    )

@@ -1,0 +1,159 @@
+"""`gradsync bench kernels`: what it measures, reports and writes (never how fast anything is).
+
+The variants are generated from the registry, so these checks cover a newly registered codec at
+once. Runs use a 4096-element tensor and one or two repeats to stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from gradsync import cli, compress
+from gradsync.bench import kernels
+
+NUMEL = 4096
+
+
+@pytest.fixture(scope="module")
+def results() -> list[kernels.KernelResult]:
+    return kernels.run(numel=NUMEL, repeats=2)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Intra-op threads set to 2 (not the benchmark's 1), restored after the test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_results_cover_every_registered_compressor_plus_sampled_topk(results):
+    assert [r.label for r in results] == kernels.variant_labels()
+    assert {r.label for r in results} == {*compress.names(), "topk-sampled"}
+    assert {r.compressor for r in results} == set(compress.names())
+    sampled = next(r for r in results if r.label == "topk-sampled")
+    assert (sampled.compressor, sampled.args) == ("topk", {"mode": "sampled"})
+
+
+def test_bits_per_element_match_each_codecs_payload_bytes(results):
+    # A data-dependent payload (fixed_size False, e.g. a threshold codec) has no exact size to match.
+    for r in (r for r in results if compress.lookup(r.compressor).fixed_size):
+        codec = compress.build(r.compressor, **r.args)
+        expected = 8 * codec.payload_bytes(NUMEL) / NUMEL
+        assert r.bits_per_element == pytest.approx(expected, rel=1e-12), r.label
+    by_label = {r.label: r for r in results}
+    assert by_label["identity"].bits_per_element == 32
+    assert by_label["fp16"].bits_per_element == 16
+
+
+def test_ratio_is_seconds_over_the_clone_seconds_timed_beside_it(results):
+    for r in results:
+        assert r.clone_seconds > 0
+        assert r.numel == NUMEL
+        assert r.seconds > 0
+        assert r.ratio == pytest.approx(r.seconds / r.clone_seconds, rel=1e-12), r.label
+
+
+def test_targets_are_set_exactly_for_labels_with_one_and_judged_by_the_ratio(results):
+    for r in results:
+        assert r.target == kernels.TARGETS.get(r.label), r.label
+        if r.target is None:
+            assert r.meets_target is None, r.label
+        else:
+            assert r.meets_target == (r.ratio <= r.target), r.label
+    by_label = {r.label: r for r in results}
+    assert all(by_label[label].target is None for label in ("identity", "topk", "powersgd"))
+    assert (by_label["fp16"].target, by_label["topk-sampled"].target, by_label["qsgd"].target) == (2, 4, 6)
+
+
+def test_runs_on_the_requested_threads_and_restores_the_previous_count(two_threads):
+    seen: list[int] = []
+    kernels.run(
+        numel=NUMEL,
+        repeats=1,
+        labels=["fp16"],
+        threads=1,
+        progress=lambda _: seen.append(torch.get_num_threads()),
+    )
+    assert seen == [1]
+    assert torch.get_num_threads() == 2
+
+
+def test_thread_count_is_restored_when_the_run_fails(two_threads):
+    def fail(line: str) -> None:
+        raise RuntimeError(f"stop at {line}")
+
+    with pytest.raises(RuntimeError, match=r"stop at \[1/1\] fp16"):
+        kernels.run(numel=NUMEL, repeats=1, labels=["fp16"], threads=1, progress=fail)
+    assert torch.get_num_threads() == 2
+    with pytest.raises(ValueError, match="nope"):
+        kernels.run(numel=NUMEL, repeats=1, labels=["nope"], threads=1)
+    assert torch.get_num_threads() == 2
+
+
+def test_labels_select_variants_in_benchmark_order():
+    results = kernels.run(numel=NUMEL, repeats=1, labels=["topk-sampled", "identity"])
+    assert [r.label for r in results] == ["identity", "topk-sampled"]
+
+
+def test_unknown_label_names_it_and_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown label\(s\) \['nope'\]; valid labels: identity, fp16"):
+        kernels.run(numel=NUMEL, repeats=1, labels=["fp16", "nope"])
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [({"numel": 0}, r"numel=0 must be >= 1"), ({"repeats": 0}, r"repeats=0 must be >= 1")],
+)
+def test_bad_sizes_name_the_value_and_constraint(params, message):
+    with pytest.raises(ValueError, match=message):
+        kernels.run(**{"numel": NUMEL, "repeats": 1, **params})
+
+
+def test_table_lists_each_label_and_the_missed_targets(results):
+    table = kernels.format_table(results, threads=1)
+    for r in results:
+        assert f"| {r.label} |" in table
+    missed = [r.label for r in results if r.meets_target is False]
+    last = table.splitlines()[-1]
+    if missed:
+        assert last.startswith("Missed: ") and all(f"{label} (" in last for label in missed)
+    else:
+        assert last == "All targets met."
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "nested" / "kernels.json"
+    argv = ["bench", "kernels", "--numel", str(NUMEL), "--repeats", "1", "--only", "fp16,topk-sampled"]
+    assert cli.main([*argv, "--json", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "| fp16 |" in out and "| topk-sampled |" in out
+    assert "[1/2] fp16 ..." in err and "[2/2] topk-sampled ..." in err
+    data = json.loads(path.read_text())
+    assert data["meta"]["numel"] == NUMEL and data["meta"]["threads"] == 1
+    assert data["meta"]["torch"] == torch.__version__
+    assert [r["label"] for r in data["results"]] == ["fp16", "topk-sampled"]
+    assert data["results"][0]["bits_per_element"] == 16
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--numel", "0"], "--numel=0 must be >= 1"),
+        (["--repeats", "-1"], "--repeats=-1 must be >= 1"),
+        (["--threads", "0"], "--threads=0 must be >= 1"),
+        (["--only", "fp16,nope"], "unknown label(s) ['nope']"),
+    ],
+)
+def test_cli_rejects_bad_arguments_naming_the_value(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "kernels", *extra])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
