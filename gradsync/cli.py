@@ -42,17 +42,24 @@ def describe(name: str) -> dict[str, object]:
     """What `gradsync list` shows for one registered compressor."""
     cls = compress.lookup(name)
     codec = compress.build(name)
-    exchange = "allreduce" if cls.summable else "allgather"
-    if cls.rounds > 1:
+    if cls.majority_vote:
+        exchange = "vote"
+    elif cls.rounds > 1:
         exchange = f"allreduce x{cls.rounds}"
+    else:
+        exchange = "allreduce" if cls.summable else "allgather"
     return {
         "name": name,
         "summable": cls.summable,
         "unbiased": cls.unbiased,
         "exchange": exchange,
+        "fixed_size": cls.fixed_size,
+        # What SyncConfig's error_feedback="auto" picks for it.
+        "auto_feedback": "ef" if cls.needs_feedback else "none",
+        # The largest payload where its size depends on the data.
         "bits_per_element": 8 * codec.payload_bytes(_LIST_NUMEL) / _LIST_NUMEL,
         "parameters": {k: v for k, v in compress.parameters(name).items() if k != "seed"},
-        "summary": (cls.__doc__ or "").strip().splitlines()[0],
+        "summary": " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()),
     }
 
 
@@ -61,14 +68,20 @@ def _list(as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows, indent=2, default=repr))
         return 0
-    print(f"{'name':<10} {'summable':<9} {'unbiased':<9} {'exchange':<13} {'bits/elem':>9}  parameters")
+    columns = f"{'name':<10} {'summable':<9} {'unbiased':<9} {'exchange':<13} {'feedback':<9}"
+    print(f"{columns} {'bits/elem':>10}  parameters")
     for r in rows:
         params = ", ".join(f"{k}={v!r}" for k, v in r["parameters"].items()) or "-"
+        bits = f"{r['bits_per_element']:.3f}" if r["fixed_size"] else f"<={r['bits_per_element']:.1f}"
         print(
             f"{r['name']:<10} {r['summable']!s:<9} {r['unbiased']!s:<9} {r['exchange']:<13} "
-            f"{r['bits_per_element']:>9.3f}  {params}"
+            f"{r['auto_feedback']:<9} {bits:>10}  {params}"
         )
-    print(f"\nbits/elem: payload bits per element of a {_LIST_NUMEL:,}-element fp32 tensor (fp32 = 32).")
+    print(
+        f"\nbits/elem: payload bits per element of a {_LIST_NUMEL:,}-element fp32 tensor (fp32 = 32); "
+        "<= marks a size that depends on the data.\nfeedback: what error_feedback='auto' picks. "
+        "vote: majority vote, sign bits summed as small integers by one allreduce."
+    )
     return 0
 
 
@@ -80,7 +93,7 @@ def _add_bench_kernels(benches: argparse._SubParsersAction) -> argparse.Argument
         "--numel", type=int, default=2**24, help="fp32 elements of the tensor (default 2**24)"
     )
     kernels_parser.add_argument(
-        "--repeats", type=int, default=5, help="timed calls per variant; the median counts (default 5)"
+        "--repeats", type=int, default=7, help="timed calls per variant; the median counts (default 7)"
     )
     kernels_parser.add_argument(
         "--only",

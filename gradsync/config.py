@@ -38,7 +38,7 @@ class SyncConfig:
     # bandwidth, dominates, and compressing only costs time.
     min_compress_numel: int = 16384
     # Root of every random stream: shared streams (randk, powersgd) are seeded per bucket,
-    # local ones (qsgd, sampled topk) per bucket and rank.
+    # local ones (qsgd, terngrad, natural, dgc, sampled topk) per bucket and rank.
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -29,7 +29,10 @@ def packed_nbytes(numel: int, bits: int) -> int:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer (or bool) codes in [0, 2**bits) into a flat uint8 tensor of packed_nbytes bytes."""
+    """Pack integer (or bool) codes in [0, 2**bits) into a flat uint8 tensor of packed_nbytes bytes.
+
+    At 8 bits, uint8 codes are returned as they are (a view, no copy).
+    """
     _check_bits(bits)
     codes = codes.reshape(-1)
     codes = codes.view(torch.uint8) if codes.dtype == torch.bool else codes.to(torch.uint8)
@@ -214,6 +217,9 @@ def _check_bits(bits: int) -> None:
 
 def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack a whole number of words of codes (8, 4 or 2 codes per output byte)."""
+    word_nbytes = 8 // bits  # int64, int32 or int16 words
+    if codes.storage_offset() % word_nbytes:
+        codes = codes.clone()  # a slice starting inside a word cannot be viewed as words
     if bits == 1:
         gathered = codes.view(torch.int64) * _GATHER_1_IN_8
         return gathered.view(torch.uint8)[7::8].clone()  # the top byte of each word

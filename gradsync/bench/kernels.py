@@ -86,7 +86,7 @@ def variant_labels() -> list[str]:
 
 def run(
     numel: int = 2**24,
-    repeats: int = 5,
+    repeats: int = 7,
     labels: Sequence[str] | None = None,
     threads: int = 1,
     seed: int = 0,
@@ -122,15 +122,15 @@ def format_table(results: Sequence[KernelResult], threads: int) -> str:
         f"numel={numel:,} fp32, threads={threads}, clone={clone_ms} ms (median over rows), "
         f"torch {torch.__version__}",
         "",
-        "| compressor | args | ms | x clone | bits/elem | target | met |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| compressor | args | ms | clone ms | x clone | bits/elem | target | met |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         args = ", ".join(f"{k}={v}" for k, v in r.args.items()) or "-"
         target = "-" if r.target is None else f"<= {r.target:g}x"
         met = {None: "-", True: "yes", False: "**no**"}[r.meets_target]
         lines.append(
-            f"| {r.label} | {args} | {1e3 * r.seconds:.3f} | {r.ratio:.2f} | "
+            f"| {r.label} | {args} | {1e3 * r.seconds:.1f} | {1e3 * r.clone_seconds:.1f} | {r.ratio:.2f} | "
             f"{r.bits_per_element:.3f} | {target} | {met} |"
         )
     missed = [f"{r.label} ({r.ratio:.1f}x > {r.target:g}x)" for r in results if r.meets_target is False]

@@ -110,7 +110,8 @@ class DGC(SeededCompressor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.steps = state["steps"]
-        self._u, self._v = state["u"], state["v"]
+        # Copies: the memories change in place, and the state dict may be loaded again.
+        self._u, self._v = (None if t is None else t.clone() for t in (state["u"], state["v"]))
 
     def _clipped(self, flat: torch.Tensor) -> torch.Tensor:
         if self.clip_norm is None:

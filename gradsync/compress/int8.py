@@ -34,10 +34,12 @@ class Int8(Compressor):
         flat = x.reshape(-1)
         rows = padded_rows(flat, self.block_size, "int8")
         absmax = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
-        # All-zero blocks: a zero factor, where 127 / 0 would give inf and then NaN.
-        factor = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
-        codes = rows.mul_(factor.unsqueeze(1)).round_().view(-1)[: flat.numel()].to(torch.int8)
-        return (codes, absmax / 127), (x.shape, x.dtype)
+        scales = absmax / 127
+        # Divide by the scale rather than multiply by 127 / absmax, which overflows to inf for
+        # blocks below about 4e-37; all-zero blocks divide by 1, not 0.
+        divisor = torch.where(absmax > 0, scales, torch.ones_like(scales))
+        codes = rows.div_(divisor.unsqueeze(1)).round_().view(-1)[: flat.numel()].to(torch.int8)
+        return (codes, scales), (x.shape, x.dtype)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         codes, scales = payload

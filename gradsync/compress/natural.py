@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -12,7 +13,14 @@ from .scratch import scratch
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
-_LARGEST_FINITE_EXPONENT = 254  # 255 means inf or NaN in IEEE fp32
+_EXPONENT_BIAS = 127
+
+
+def _largest_exponent(dtype: torch.dtype) -> int:
+    """The biased fp32 exponent of the largest power of two finite in `dtype` (and in fp32: 255
+    means inf or NaN), so that decoding and casting back never overflows: 254 for fp32 and
+    bf16, 142 (2^15) for fp16."""
+    return min(254, _EXPONENT_BIAS + math.floor(math.log2(torch.finfo(dtype).max)))
 
 
 class Natural(SeededCompressor):
@@ -23,8 +31,9 @@ class Natural(SeededCompressor):
     omega = 1/8. In IEEE terms the mantissa is dropped and the exponent bumped with probability
     mantissa / 2^23, which a 23-bit uniform integer decides exactly. Wire: 9 bits per element,
     the 8-bit exponent and the sign bit. Zero stays zero; subnormals become 0 or 2^-126, still
-    unbiased; exponents saturate at 2^127 rather than overflow to inf. Inputs are rounded in
-    fp32. Payloads differ per rank and are not additive: exchanged by allgather.
+    unbiased; exponents saturate at the largest power of two of the input's dtype (2^127 for
+    fp32, 2^15 for fp16) rather than overflow to inf. Inputs are rounded in fp32. Payloads differ
+    per rank and are not additive: exchanged by allgather.
     """
 
     unbiased = True
@@ -45,7 +54,7 @@ class Natural(SeededCompressor):
         mantissa = torch.bitwise_and(bits, _MANTISSA_MASK, out=field)
         minus_round_up = draw.sub_(mantissa).bitwise_right_shift_(31)
         exponent = torch.bitwise_right_shift(bits, _MANTISSA_BITS, out=field).bitwise_and_(0xFF)
-        exponent.sub_(minus_round_up).clamp_(max=_LARGEST_FINITE_EXPONENT)
+        exponent.sub_(minus_round_up).clamp_(max=_largest_exponent(x.dtype))
         negative = torch.lt(bits, 0, out=scratch("negative", numel, torch.bool, flat.device))
         return (exponent.to(torch.uint8), pack_bits(negative, 1)), (x.shape, x.dtype)
 

@@ -101,7 +101,8 @@ class Signum(SignSGD):
         return {"momentum": None if self._momentum is None else self._momentum.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._momentum = state["momentum"]
+        momentum = state["momentum"]  # copied: it changes in place, and the state may be loaded again
+        self._momentum = None if momentum is None else momentum.clone()
 
 
 class EFSignSGD(Compressor):
@@ -149,9 +150,10 @@ class OneBit(Compressor):
         positive = nonnegative(flat)
         num_positive = int(torch.count_nonzero(positive))
         num_negative = flat.numel() - num_positive
-        clamped = torch.clamp(flat, min=0, out=scratch("clamped", flat.numel(), flat.dtype, flat.device))
-        positive_sum = clamped.sum(dtype=torch.float32)
-        negative_sum = flat.sum(dtype=torch.float32) - positive_sum
+        # Each side summed on its own: total - positive_sum cancels when one side dominates.
+        part = torch.clamp(flat, min=0, out=scratch("onebit-part", flat.numel(), flat.dtype, flat.device))
+        positive_sum = part.sum(dtype=torch.float32)
+        negative_sum = torch.clamp(flat, max=0, out=part).sum(dtype=torch.float32)
         means = torch.stack([positive_sum / max(1, num_positive), negative_sum / max(1, num_negative)])
         return (pack_bits(positive, 1), means), (x.shape, x.dtype)
 
