@@ -152,6 +152,8 @@ class SyncState:
     ) -> torch.Tensor:
         if not result.finite:
             out = torch.full_like(buffer, math.nan)  # AMP's GradScaler then skips the step
+            if compressed is not None:
+                compressed[0].codec.undo()  # a skipped step leaves no trace in codec state
         elif compressed is None:
             out = result.total
         else:

@@ -176,7 +176,8 @@ def _allgather(
             for rank_payload in payloads:  # rank order: the same sum on every rank
                 codec.add_decoded_(total, rank_payload, ctx)
         clock.lap("decompress")
-        return Exchanged(total, local, finite, sum(t.nbytes for t in payload), sent, clock.seconds)
+        decoded_local = local if finite else _not_finite
+        return Exchanged(total, decoded_local, finite, sum(t.nbytes for t in payload), sent, clock.seconds)
 
     return comm.allgather(frame).then(done)
 

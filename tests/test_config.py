@@ -16,7 +16,8 @@ from gradsync import SyncConfig, compress, feedback
 def test_defaults_are_valid_and_build_a_compressor_and_feedback() -> None:
     cfg = SyncConfig()
     assert cfg.compressor in compress.names()
-    assert cfg.error_feedback in feedback.names()
+    assert cfg.error_feedback == "auto"
+    assert cfg.feedback_name in feedback.names()
     assert cfg.warmup_steps >= 2
     assert isinstance(cfg.build_compressor(seed=1), compress.lookup(cfg.compressor))
     assert isinstance(cfg.build_feedback(), feedback.Feedback)
@@ -236,3 +237,107 @@ def test_no_warning_for_casts_unbiased_compressors_or_with_error_feedback(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SyncConfig(compressor=compressor, error_feedback=error_feedback)
+
+
+# -- error_feedback="auto" and the codecs that refuse feedback ------------------------------------
+
+EXPLICIT_FORMS = [f for f in feedback.names() if f != "none"]
+
+
+def refuses_feedback(compressor: str) -> bool:
+    codec = compress.lookup(compressor)
+    return codec.owns_memory or codec.majority_vote
+
+
+@pytest.mark.parametrize("compressor", compress.names())
+def test_auto_feedback_is_ef_exactly_for_compressors_that_need_feedback(compressor: str) -> None:
+    cfg = SyncConfig(compressor=compressor)
+    expected = "ef" if compress.lookup(compressor).needs_feedback else "none"
+    assert cfg.error_feedback == "auto"
+    assert cfg.feedback_name == expected
+    assert type(cfg.build_feedback()) is feedback.REGISTRY[expected]
+
+
+@pytest.mark.parametrize(
+    ("compressor", "expected"),
+    [
+        ("topk", "ef"),
+        ("threshold", "ef"),
+        ("onebit", "ef"),
+        ("powersgd", "ef"),
+        ("identity", "none"),
+        ("qsgd", "none"),
+        ("int8", "none"),
+        ("dgc", "none"),
+        ("signsgd", "none"),
+        ("signum", "none"),
+    ],
+)
+def test_auto_feedback_anchors(compressor: str, expected: str) -> None:
+    # The registry-wide test follows the flags; these pin the flags of a few known codecs.
+    assert SyncConfig(compressor=compressor).feedback_name == expected
+
+
+@pytest.mark.parametrize("form", feedback.names())
+def test_an_explicit_feedback_form_is_used_as_given(form: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # topk without feedback warns: not the subject here
+        cfg = SyncConfig(compressor="topk", error_feedback=form)
+    assert cfg.feedback_name == form
+    assert type(cfg.build_feedback()) is feedback.REGISTRY[form]
+
+
+def test_exactly_dgc_and_the_majority_vote_codecs_refuse_feedback() -> None:
+    assert [n for n in compress.names() if refuses_feedback(n)] == ["dgc", "signsgd", "signum"]
+
+
+@pytest.mark.parametrize("form", EXPLICIT_FORMS)
+@pytest.mark.parametrize("compressor", [n for n in compress.names() if refuses_feedback(n)])
+def test_explicit_feedback_with_dgc_or_a_majority_vote_raises_value_error_naming_the_fix(
+    compressor: str, form: str
+) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        SyncConfig(compressor=compressor, error_feedback=form)
+    message = str(excinfo.value)
+    assert repr(compressor) in message
+    assert f"error_feedback={form!r}" in message
+    assert "'none'" in message
+
+
+@pytest.mark.parametrize("form", ["none", "auto"])
+@pytest.mark.parametrize("compressor", [n for n in compress.names() if refuses_feedback(n)])
+def test_dgc_and_majority_vote_accept_none_and_auto_without_warning(compressor: str, form: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert SyncConfig(compressor=compressor, error_feedback=form).feedback_name == "none"
+
+
+@pytest.mark.parametrize("form", EXPLICIT_FORMS)
+@pytest.mark.parametrize("compressor", [n for n in compress.names() if not refuses_feedback(n)])
+def test_every_other_compressor_accepts_every_feedback_form(compressor: str, form: str) -> None:
+    assert SyncConfig(compressor=compressor, error_feedback=form).feedback_name == form
+
+
+@pytest.mark.parametrize("args", [{"eta": 0.1}, {"anything": 1}])
+def test_error_feedback_args_with_auto_raise_value_error(args: dict) -> None:
+    with pytest.raises(ValueError, match=r"error_feedback_args=.*error_feedback='auto'.*econtrol"):
+        SyncConfig(error_feedback_args=args)
+
+
+@pytest.mark.parametrize("compressor", compress.names())
+def test_auto_never_warns(compressor: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SyncConfig(compressor=compressor)
+
+
+def test_to_dict_and_fingerprint_keep_auto_rather_than_its_resolution() -> None:
+    auto = SyncConfig(compressor="topk")
+    explicit = SyncConfig(compressor="topk", error_feedback="ef")
+    assert auto.to_dict()["error_feedback"] == "auto"
+    assert SyncConfig(**auto.to_dict()) == auto
+    assert '"error_feedback": "auto"' in auto.fingerprint()
+    # The same resolved form, but another config: a checkpoint records what the user asked for.
+    assert auto.feedback_name == explicit.feedback_name
+    assert auto != explicit
+    assert auto.fingerprint() != explicit.fingerprint()

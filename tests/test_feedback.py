@@ -9,12 +9,27 @@ import torch
 
 from gradsync import compress, feedback
 
+# Arguments that make a codec lossy enough to leave an error behind at NUMEL elements.
+ARGS: dict[str, dict[str, Any]] = {
+    "topk": {"ratio": 0.1},
+    "randk": {"ratio": 0.1},
+    "threshold": {"threshold": 0.5},
+    "qsgd": {"levels": 3},
+    "powersgd": {"rank": 2},
+}
+
+
+def codec_args(name: str) -> dict[str, Any]:
+    seed = {"seed": 3} if "seed" in compress.parameters(name) else {}
+    return {**ARGS.get(name, {}), **seed}
+
+
+# Every lossy codec that takes error feedback (DGC keeps its own memory and the majority vote
+# refuses it; identity is lossless and has its own test).
 CODECS: list[tuple[str, dict[str, Any]]] = [
-    ("topk", {"ratio": 0.1}),
-    ("randk", {"ratio": 0.1, "seed": 3}),
-    ("qsgd", {"levels": 3, "seed": 3}),
-    ("efsignsgd", {}),
-    ("powersgd", {"rank": 2, "seed": 3}),
+    (name, codec_args(name))
+    for name in compress.names()
+    if name != "identity" and not (compress.lookup(name).owns_memory or compress.lookup(name).majority_vote)
 ]
 CODEC_IDS = [name for name, _ in CODECS]
 FORMS = feedback.names()
@@ -237,9 +252,16 @@ def test_unknown_parameter_raises_type_error_listing_the_valid_ones(form: str) -
     assert ("eta" in message) == (form == "econtrol")
 
 
-@pytest.mark.parametrize("eta", [-0.1, 1.5, True, "0.1", float("nan")])
+@pytest.mark.parametrize("eta", [-0.1, 1.5, float("nan")])
 def test_econtrol_eta_out_of_range_raises_value_error_naming_it(eta: Any) -> None:
     with pytest.raises(ValueError, match=r"eta=.*out of range \[0, 1\]") as excinfo:
+        feedback.build("econtrol", eta=eta)
+    assert repr(eta) in str(excinfo.value)
+
+
+@pytest.mark.parametrize("eta", [True, "0.1", None])
+def test_econtrol_eta_that_is_not_a_number_raises_value_error_naming_it(eta: Any) -> None:
+    with pytest.raises(ValueError, match=r"eta=.* must be a number in \[0, 1\]") as excinfo:
         feedback.build("econtrol", eta=eta)
     assert repr(eta) in str(excinfo.value)
 

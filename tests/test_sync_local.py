@@ -13,6 +13,7 @@ import torch
 
 from gradsync import SyncConfig, SyncState, compress, feedback
 from gradsync.comm import LocalComm
+from gradsync.compress import Compressor
 
 WARMUP = 2
 NUMEL = 3000
@@ -58,6 +59,39 @@ def same_state(a: Any, b: Any) -> bool:
 
 ALL_CODECS = compress.names()
 FORMS = feedback.names()
+
+
+def takes_feedback(name: str) -> bool:
+    """Whether `name` accepts an error-feedback form other than "none" (SyncConfig refuses the rest)."""
+    codec = compress.lookup(name)
+    return not (codec.owns_memory or codec.majority_vote)
+
+
+# Every (compressor, feedback form) pair SyncConfig accepts, "auto" included.
+VALID_PAIRS = [
+    (n, f) for n in ALL_CODECS for f in [*FORMS, "auto"] if f in ("none", "auto") or takes_feedback(n)
+]
+
+
+def vote_payload_bytes(numel: int, world_size: int) -> int:
+    """Bytes of the majority vote's count words: fields of bit_length(world_size) bits, 31 bits
+    of each int32 word used."""
+    fields_per_word = 31 // world_size.bit_length()
+    return 4 * -(-numel // fields_per_word)
+
+
+def reference_payload_bytes(cfg: SyncConfig, gs: list[torch.Tensor]) -> list[int]:
+    """Bytes of each payload of a codec and feedback driven by hand, as the hook would in a world
+    of one: prepare, compress, update with the local decode as the total."""
+    codec, fb = cfg.build_compressor(seed=0), cfg.build_feedback()
+    nbytes = []
+    for g in gs:
+        p = fb.prepare(g)
+        payload, ctx = codec.compress(p)
+        nbytes.append(sum(t.nbytes for t in payload))
+        decoded = codec.decompress(payload, ctx)
+        fb.update(g, p, lambda decoded=decoded: decoded, decoded)
+    return nbytes
 
 
 def test_warmup_steps_return_the_input_exactly_then_compression_starts() -> None:
@@ -110,21 +144,44 @@ def test_a_bucket_smaller_than_min_compress_numel_is_sent_uncompressed() -> None
 def test_stats_count_payload_bytes_steps_and_no_bytes_sent_in_a_world_of_one(name: str) -> None:
     state = new_state(compressor=name)
     compressed_steps = 3
-    for g in gradients(WARMUP + compressed_steps):
+    gs = gradients(WARMUP + compressed_steps)
+    for g in gs:
         sync(state, g)
     stats = state.stats()
-    codec_bytes = state.points[0].codec.payload_bytes(NUMEL)
+    codec_type = compress.lookup(name)
+    if codec_type.majority_vote:  # the vote sends count words, not the codec's sign bits
+        codec_bytes = [vote_payload_bytes(NUMEL, 1)] * compressed_steps
+    elif codec_type.fixed_size:
+        codec_bytes = [state.points[0].codec.payload_bytes(NUMEL)] * compressed_steps
+    else:  # the size follows the data: what the codec itself produced, within its upper bound
+        codec_bytes = reference_payload_bytes(state.config, gs[WARMUP:])
+        assert all(0 < b <= state.points[0].codec.payload_bytes(NUMEL) for b in codec_bytes)
     assert stats["step"] == WARMUP + compressed_steps
     assert len(stats["steps"]) == WARMUP + compressed_steps
     assert [s["step"] for s in stats["steps"]] == list(range(WARMUP + compressed_steps))
+    assert [s["payload_bytes"] for s in stats["steps"][WARMUP:]] == codec_bytes
     last, total = stats["last_step"], stats["total"]
-    assert last["payload_bytes"] == codec_bytes
     assert (last["bytes_sent"], last["bytes_fp32"], last["compression_ratio"]) == (0, 0, None)
-    assert total["payload_bytes"] == WARMUP * 4 * NUMEL + compressed_steps * codec_bytes
+    assert total["payload_bytes"] == WARMUP * 4 * NUMEL + sum(codec_bytes)
     assert (total["buckets"], total["compressed_buckets"]) == (WARMUP + compressed_steps, compressed_steps)
     assert total["numel"] == (WARMUP + compressed_steps) * NUMEL
     assert total["bytes_sent"] == 0
     assert all(total[key] >= 0 for key in ("compress_s", "communicate_s", "decompress_s"))
+
+
+def test_threshold_payload_bytes_follow_the_data() -> None:
+    # The previous test would not notice a variable-size codec reporting its upper bound.
+    state = new_state(compressor="threshold", compressor_args={"threshold": 1.0}, error_feedback="none")
+    past_warmup(state)
+    small, large = torch.full((NUMEL,), 0.5), torch.full((NUMEL,), 2.0)
+    small[:10] = 3.0  # 10 entries pass
+    sync(state, small)
+    ten = state.stats()["last_step"]["payload_bytes"]
+    sync(state, large)
+    every = state.stats()["last_step"]["payload_bytes"]
+    assert every == state.points[0].codec.payload_bytes(NUMEL)  # every entry passes: the bound
+    assert ten < every
+    assert ten == reference_payload_bytes(state.config, [small])[0]
 
 
 @pytest.mark.parametrize("name", ALL_CODECS)
@@ -141,9 +198,12 @@ def test_without_feedback_the_output_is_the_codecs_round_trip(name: str) -> None
         assert torch.equal(sync(state, g), reference.decompress(payload, ctx))
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+BADS = pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+
+
+@BADS
 @pytest.mark.parametrize("form", [f for f in FORMS if f != "none"])
-@pytest.mark.parametrize("name", ALL_CODECS)
+@pytest.mark.parametrize("name", [n for n in ALL_CODECS if takes_feedback(n)])
 def test_a_non_finite_gradient_comes_out_non_finite_and_leaves_the_memory_untouched(
     name: str, form: str, bad: float
 ) -> None:
@@ -155,13 +215,54 @@ def test_a_non_finite_gradient_comes_out_non_finite_and_leaves_the_memory_untouc
     poisoned = gs[WARMUP + 2].clone()
     poisoned[17] = bad
     out = sync(state, poisoned)
-    assert not bool(torch.isfinite(out).any())
+    assert bool(torch.isnan(out).all())
     assert same_state(feedback_state(state), before)
     assert state.stats()["step"] == WARMUP + 3
     after = sync(state, gs[WARMUP + 3])
     assert bool(torch.isfinite(after).all())
     if name != "identity":  # a lossless codec leaves nothing to remember
         assert not same_state(feedback_state(state), before)  # the finite step updated the memory
+
+
+def compressed_zeros(codec: Compressor, numel: int) -> None:
+    """What the exchange does with a non-finite input: it compresses zeros instead; a multi-round
+    codec stops after its first round, whose flag already says the step is void."""
+    zeros = torch.zeros(numel)
+    if codec.rounds > 1:
+        codec.begin(zeros)  # type: ignore[attr-defined]
+    else:
+        codec.compress(zeros)
+
+
+@BADS
+@pytest.mark.parametrize("name", ALL_CODECS)
+def test_a_non_finite_step_leaves_codec_state_unchanged_but_random_streams_in_step(
+    name: str, bad: float
+) -> None:
+    # Codecs with state of their own (DGC's u, v and step count; Signum's momentum) undo the
+    # skipped step. Random streams are not rewound: they advance as compressing zeros advances
+    # them, which is what ranks whose input was finite do too, so ranks stay in step.
+    state = new_state(compressor=name)
+    gs = gradients(WARMUP + 3)
+    for g in gs[: WARMUP + 2]:
+        sync(state, g)
+    codec = state.points[0].codec
+    reference = state.config.build_compressor(seed=getattr(codec, "seed", 0))
+    reference.load_state_dict(codec.state_dict())
+    compressed_zeros(reference, NUMEL)
+    before = codec.state_dict()
+    poisoned = gs[WARMUP + 2].clone()
+    poisoned[17] = bad
+    assert bool(torch.isnan(sync(state, poisoned)).all())
+    after = codec.state_dict()
+    assert same_state(
+        {k: v for k, v in after.items() if k != "generator"},
+        {k: v for k, v in before.items() if k != "generator"},
+    )
+    drawn_like_zeros = reference.state_dict().get("generator")
+    assert same_state({"generator": after.get("generator")}, {"generator": drawn_like_zeros})
+    if name in ("dgc", "signum"):  # the comparison has teeth: compressing zeros moves their memories
+        assert not same_state(reference.state_dict(), before)
 
 
 @pytest.mark.parametrize("name", ["identity", "topk", "efsignsgd", "powersgd"])
@@ -186,7 +287,7 @@ def test_a_non_finite_gradient_during_warmup_comes_out_non_finite() -> None:
 
 
 def test_a_finite_gradient_whose_sum_overflows_is_still_finite() -> None:
-    state = new_state(compressor="identity")
+    state = new_state(compressor="identity", error_feedback="ef")
     past_warmup(state)
     g = torch.full((NUMEL,), 3e38)  # each entry near the float32 maximum: the sum is inf
     assert torch.equal(sync(state, g), g)
@@ -203,8 +304,7 @@ def run_steps(state: SyncState, gs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @pytest.mark.filterwarnings("ignore:compressor .* is biased:UserWarning")  # load re-validates
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("name", ALL_CODECS)
+@pytest.mark.parametrize(("name", "form"), VALID_PAIRS, ids=[f"{n}-{f}" for n, f in VALID_PAIRS])
 def test_a_restored_state_continues_with_bit_identical_outputs(name: str, form: str) -> None:
     gs = gradients(WARMUP + 6)
     state = new_state(compressor=name, error_feedback=form)

@@ -64,6 +64,14 @@ class Compressor:
         largest payload where the size depends on the data (fixed_size False)."""
         raise NotImplementedError(f"{type(self).__name__} must implement payload_bytes")
 
+    def undo(self) -> None:
+        """Undo what the last compress changed in this codec's state (momentum, accumulator).
+
+        The hook calls it when the exchange finds the step non-finite on some rank, so that a
+        skipped step leaves no trace, as it leaves none in error-feedback memories. Random
+        streams are not rewound: every rank compressed, so they stay in step anyway.
+        """
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the exact same sequence of payloads after a restart."""
         return {}
@@ -106,6 +114,48 @@ class SeededCompressor(Compressor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._generator = None
         self._pending_state = state.get("generator")
+
+
+class Undoable:
+    """A state tensor kept in two buffers: an update reads one and writes the other, so the last
+    update can be undone by swapping back. It costs a second buffer, not a copy per step."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner  # named in errors
+        self.current: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
+        self._can_undo = False
+
+    def update(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(old, new): the current value (zeros at first) and a buffer for the next one; the
+        caller writes new out of place, and `new` becomes current."""
+        old = self.current
+        if old is None:
+            old = torch.zeros_like(like)
+        elif old.shape != like.shape:
+            raise ValueError(
+                f"{self.owner} state has {old.numel()} elements but the tensor has {like.numel()}: "
+                "the state belongs to a tensor of another size"
+            )
+        elif old.device != like.device or old.dtype != like.dtype:
+            old = old.to(like.device, like.dtype)
+        new = self._spare
+        if new is None or new.shape != old.shape or new.device != old.device or new.dtype != old.dtype:
+            new = torch.empty_like(old)
+        self.current, self._spare, self._can_undo = new, old, True
+        return old, new
+
+    def undo(self) -> None:
+        if self._can_undo:
+            self.current, self._spare, self._can_undo = self._spare, self.current, False
+
+    def state(self) -> torch.Tensor | None:
+        return None if self.current is None else self.current.clone()
+
+    def load(self, value: torch.Tensor | None) -> None:
+        # A copy: the buffers are written in place, and the state dict may be loaded again.
+        self.current = None if value is None else value.clone()
+        self._spare, self._can_undo = None, False
 
 
 def shape_ctx(x: torch.Tensor) -> tuple[torch.Size, torch.dtype]:

@@ -8,7 +8,16 @@ from typing import Any
 import torch
 
 from ..wire import index_nbytes
-from .base import Payload, SeededCompressor, check_fraction, check_int, check_real, count_for, shape_ctx
+from .base import (
+    Payload,
+    SeededCompressor,
+    Undoable,
+    check_fraction,
+    check_int,
+    check_real,
+    count_for,
+    shape_ctx,
+)
 from .scratch import scratch
 from .sparse import add_sparse_, decode_sparse, sampled_topk, sparse_payload
 
@@ -35,10 +44,11 @@ class DGC(SeededCompressor):
     accumulator v is DGC's own error memory (owns_memory): use error_feedback="none".
 
     Payload as top-k: values and int32 indices or a bitmap, whichever is smaller. Its size follows
-    the schedule, equal on every rank at the same step. A non-finite step compresses zeros, so the
-    state advances as if the gradient had been zero. `clip_norm` bounds the l2 norm of what this
-    codec receives (each rank's gradient of this bucket, already divided by the world size); the
-    paper scales a global bound by N^-1/2 for N workers.
+    the schedule, equal on every rank at the same step. u and v are kept in two buffers each, so
+    a step that turns out non-finite on some rank is undone (undo) and leaves no trace.
+    `clip_norm` bounds the l2 norm of what this codec receives (each rank's gradient of this
+    bucket, already divided by the world size); the paper scales a global bound by N^-1/2 for N
+    workers.
     """
 
     randomness = "local"
@@ -68,8 +78,8 @@ class DGC(SeededCompressor):
             "sparsity_warmup_steps", sparsity_warmup_steps, 0, why="compressed steps of sparsity warm-up"
         )
         self.steps = 0  # compressed steps so far: the position in the schedule
-        self._u: torch.Tensor | None = None  # momentum
-        self._v: torch.Tensor | None = None  # accumulated, not yet sent
+        self._u = Undoable("dgc momentum")
+        self._v = Undoable("dgc accumulator")  # accumulated, not yet sent
 
     def density(self, step: int) -> float:
         """Fraction of entries sent at compressed step `step` (0-based)."""
@@ -82,9 +92,9 @@ class DGC(SeededCompressor):
         flat = x.reshape(-1)
         k = count_for(flat.numel(), self.density(self.steps))
         self.steps += 1
-        u, v = self._memory("_u", flat), self._memory("_v", flat)
-        u.mul_(self.momentum).add_(self._clipped(flat))
-        v.add_(u)
+        (u_old, u), (v_old, v) = self._u.update(flat), self._v.update(flat)
+        torch.mul(u_old, self.momentum, out=u).add_(self._clipped(flat))
+        torch.add(v_old, u, out=v)
         indices = sampled_topk(v, k, self.sample_ratio, self.generator(flat.device))
         payload = sparse_payload(v, indices)
         v.index_fill_(0, indices, 0)
@@ -98,20 +108,25 @@ class DGC(SeededCompressor):
     def add_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
         add_sparse_(out, payload)
 
+    def undo(self) -> None:
+        if self._u._can_undo:
+            self.steps -= 1
+        self._u.undo()
+        self._v.undo()
+
     def payload_bytes(self, numel: int) -> int:
         """Bytes of the next payload (the schedule's density at the current step)."""
         k = count_for(numel, self.density(self.steps))
         return index_nbytes(numel, k) + 4 * k
 
     def state_dict(self) -> dict[str, Any]:
-        memory = {name: None if t is None else t.clone() for name, t in (("u", self._u), ("v", self._v))}
-        return {**super().state_dict(), "steps": self.steps, **memory}
+        return {**super().state_dict(), "steps": self.steps, "u": self._u.state(), "v": self._v.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.steps = state["steps"]
-        # Copies: the memories change in place, and the state dict may be loaded again.
-        self._u, self._v = (None if t is None else t.clone() for t in (state["u"], state["v"]))
+        self._u.load(state["u"])
+        self._v.load(state["v"])
 
     def _clipped(self, flat: torch.Tensor) -> torch.Tensor:
         if self.clip_norm is None:
@@ -121,18 +136,3 @@ class DGC(SeededCompressor):
             return flat
         out = scratch("dgc-clipped", flat.numel(), flat.dtype, flat.device)
         return torch.mul(flat, self.clip_norm / norm, out=out)
-
-    def _memory(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        value = getattr(self, name)
-        if value is None:
-            value = torch.zeros_like(like)
-        elif value.shape != like.shape:
-            raise ValueError(
-                f"dgc memory has {value.numel()} elements but the tensor has {like.numel()}: the "
-                "state belongs to a tensor of another size"
-            )
-        elif value.device != like.device or value.dtype != like.dtype:
-            value = value.to(like.device, like.dtype)
-        setattr(self, name, value)
-        return value
-

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
-from .base import Compressor, Payload, check_real
+from .base import Compressor, Payload, Undoable, check_real
 from .scratch import scratch
 
 
@@ -78,31 +78,26 @@ class Signum(SignSGD):
     sign(m); ranks combine by majority vote.
 
     The momentum is kept per rank and compression point, so train with a momentum-free
-    optimizer. A non-finite step compresses zeros: the momentum decays as if the gradient had
-    been zero.
+    optimizer. It is kept in two buffers, so a step that turns out non-finite on some rank is
+    undone (undo) and leaves no trace.
     """
 
     def __init__(self, beta: float = 0.9) -> None:
         self.beta = check_real("beta", beta, 0, 1, "[)", "Signum's default is 0.9")
-        self._momentum: torch.Tensor | None = None
+        self._momentum = Undoable("signum momentum")
 
     def signed(self, flat: torch.Tensor) -> torch.Tensor:
-        m = self._momentum
-        if m is None or m.shape != flat.shape:
-            if m is not None:
-                raise ValueError(
-                    f"signum momentum has {m.numel()} elements but the tensor has {flat.numel()}: "
-                    "the state belongs to a tensor of another size"
-                )
-            m = self._momentum = torch.zeros_like(flat)
-        return m.mul_(self.beta).add_(flat, alpha=1 - self.beta)
+        old, new = self._momentum.update(flat)
+        return torch.mul(old, self.beta, out=new).add_(flat, alpha=1 - self.beta)
+
+    def undo(self) -> None:
+        self._momentum.undo()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"momentum": None if self._momentum is None else self._momentum.clone()}
+        return {"momentum": self._momentum.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        momentum = state["momentum"]  # copied: it changes in place, and the state may be loaded again
-        self._momentum = None if momentum is None else momentum.clone()
+        self._momentum.load(state["momentum"])
 
 
 class EFSignSGD(Compressor):

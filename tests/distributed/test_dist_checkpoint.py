@@ -4,7 +4,8 @@ Run A trains 12 steps. Run B trains 6, saves model, optimizer and gradsync state
 builds a fresh model (initialized differently), DDP and gradsync state, loads all three and trains
 the remaining 6. Their parameters must be torch.equal. Run C restores the model and optimizer but
 not gradsync's state: it must differ from A, which shows the state carries what matters (error
-memories, random streams, PowerSGD's warm start) and the comparison has teeth.
+memories, random streams, PowerSGD's warm start, DGC's accumulators and Signum's momentum) and
+the comparison has teeth.
 
 The fresh DDP model matters: in its first iteration DDP puts all parameters into one bucket in
 definition order, and it only rebuilds its buckets (in gradient-ready order) afterwards, so the
@@ -29,6 +30,10 @@ CASES = [
     ("qsgd", {}, "none"),
     ("powersgd", {"rank": 2}, "ef"),
     ("topk", {"ratio": 0.05}, "econtrol"),
+    # Codec state of their own: DGC's u, v, step count (its sparsity schedule runs past the
+    # checkpoint) and sampling stream; Signum's momentum.
+    ("dgc", {"ratio": 0.05, "sparsity_warmup_steps": 8, "sample_ratio": 0.5}, "auto"),
+    ("signum", {}, "auto"),
 ]
 # None: DDP's default, one bucket; 0.004 MB: two buckets after the rebuild.
 BUCKET_CAPS_MB = [None, 0.004]

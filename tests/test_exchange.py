@@ -1,0 +1,86 @@
+"""exchange.start in a world of one (LocalComm): the majority vote, the finiteness flag and the
+byte counts, for every registered codec. The same over real ranks: distributed/test_dist_exchange.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradsync import compress, exchange
+from gradsync.comm import LocalComm
+
+VOTERS = [n for n in compress.names() if compress.lookup(n).majority_vote]
+NUMELS = [1, 30, 31, 32, 1000]  # below, at and above one int32 word of 31 one-bit fields
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def build(name: str) -> compress.Compressor:
+    seed = {"seed": 5} if "seed" in compress.parameters(name) else {}
+    return compress.build(name, **seed)
+
+
+def vote_payload_bytes(numel: int, world_size: int) -> int:
+    """The vote's int32 count words: fields of bit_length(world_size) bits, 31 bits a word."""
+    return 4 * -(-numel // (31 // world_size.bit_length()))
+
+
+def with_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random signs, with +0.0 and -0.0 among them."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    x[::7] = 0.0
+    x[3::7] = -0.0
+    return x
+
+
+def test_the_majority_vote_codecs_are_signsgd_and_signum() -> None:
+    assert VOTERS == ["signsgd", "signum"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", NUMELS)
+@pytest.mark.parametrize("name", VOTERS)
+def test_a_vote_of_one_is_the_sign_of_the_input_with_zeros_positive(
+    name: str, numel: int, dtype: torch.dtype
+) -> None:
+    # Signum's first step signs (1 - beta) x, whose sign is x's for these magnitudes.
+    x = with_zeros(numel, dtype)
+    result = exchange.start(build(name), x.clone(), LocalComm()).wait()
+    assert result.finite
+    assert result.total.dtype == dtype
+    assert torch.equal(result.total, torch.where(x >= 0, 1.0, -1.0).to(dtype))
+    assert result.payload_bytes == vote_payload_bytes(numel, 1)
+    assert result.bytes_sent == 0  # a ring of one sends nothing
+
+
+@pytest.mark.parametrize("name", compress.names())
+def test_a_non_finite_input_is_flagged_and_gives_no_total(name: str) -> None:
+    # The caller passes finite=False; the codec gets zeros, so its own payload says nothing.
+    result = exchange.start(build(name), torch.randn(500), LocalComm(), finite=False).wait()
+    assert not result.finite
+    assert result.total is None
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "flagged"])
+@pytest.mark.parametrize("name", [n for n in compress.names() if compress.lookup(n).fixed_size])
+def test_payload_bytes_exclude_the_flag(name: str, finite: bool) -> None:
+    numel = 1000
+    codec = build(name)
+    result = exchange.start(codec, torch.randn(numel), LocalComm(), finite=finite).wait()
+    if codec.majority_vote:
+        assert result.payload_bytes == vote_payload_bytes(numel, 1)
+    elif codec.rounds > 1 and not finite:  # the flag of the first round ends the exchange
+        assert 0 < result.payload_bytes < codec.payload_bytes(numel)
+    else:
+        assert result.payload_bytes == codec.payload_bytes(numel)
+
+
+def test_a_payload_that_overflows_its_float_type_is_not_finite() -> None:
+    # Finite in fp32, inf once cast to fp16: the flag says finite, the payload does not.
+    x = torch.full((100,), 1e5)
+    result = exchange.start(build("fp16"), x, LocalComm()).wait()
+    assert not result.finite
+    assert result.total is None
+    assert not math.isfinite(float(x.to(torch.float16)[0]))
