@@ -52,14 +52,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of pack_bits: the first `numel` codes as uint8."""
     _check_bits(bits)
-    if packed.dtype != torch.uint8 or packed.dim() != 1:
-        raise ValueError(f"packed codes must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
-    expected = packed_nbytes(numel, bits)
-    if packed.numel() != expected:
-        raise ValueError(
-            f"packed payload has {packed.numel()} bytes but {numel} codes of {bits} bits need "
-            f"{expected}; the payload belongs to a tensor of another size"
-        )
+    _check_wire_bytes(packed, packed_nbytes(numel, bits), "packed codes", f"{numel} codes of {bits} bits")
     if bits == 8:
         return packed
     if bits == 1:
@@ -168,14 +161,8 @@ def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
 
 def decode_indices(encoded: torch.Tensor, numel: int, count: int) -> torch.Tensor:
     """Inverse of encode_indices: `count` int64 indices, each checked to lie in [0, numel)."""
-    if encoded.dtype != torch.uint8 or encoded.dim() != 1:
-        raise ValueError(f"encoded indices must be 1-D uint8, got {encoded.dtype} {tuple(encoded.shape)}")
     expected = index_nbytes(numel, count)
-    if encoded.numel() != expected:
-        raise ValueError(
-            f"encoded indices have {encoded.numel()} bytes but {count} indices into {numel} "
-            f"elements take {expected}: the payload was made for a tensor of another size"
-        )
+    _check_wire_bytes(encoded, expected, "encoded indices", f"{count} indices into {numel} elements")
     if index_format(numel, count) == "coo":
         if count and encoded.data_ptr() % 4:
             encoded = encoded.clone()  # a misaligned slice cannot be viewed as int32
@@ -208,6 +195,17 @@ def check_indices(indices: torch.Tensor, numel: int) -> None:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _check_wire_bytes(data: torch.Tensor, expected: int, what: str, holding: str) -> None:
+    """Refuse anything but `expected` bytes in a 1-D uint8 tensor, naming `what` it should hold."""
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError(f"{what} must be a 1-D uint8 tensor, got {data.dtype} {tuple(data.shape)}")
+    if data.numel() != expected:
+        raise ValueError(
+            f"{what}: {data.numel()} bytes, but {holding} take {expected}; the payload was made "
+            "for a tensor of another size"
+        )
 
 
 def _check_bits(bits: int) -> None:

@@ -158,6 +158,12 @@ class Undoable:
         self._spare, self._can_undo = None, False
 
 
+def flat_float32(x: torch.Tensor) -> torch.Tensor:
+    """x flattened, as float32: a copy only where x is not float32 already."""
+    flat = x.reshape(-1)
+    return flat if flat.dtype == torch.float32 else flat.float()
+
+
 def shape_ctx(x: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
     return x.shape, x.dtype
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
-from .base import Payload, SeededCompressor
+from .base import Payload, SeededCompressor, flat_float32
 from .scratch import scratch
 
 _MANTISSA_BITS = 23
@@ -40,9 +40,7 @@ class Natural(SeededCompressor):
     randomness = "local"
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
-        flat = x.reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
+        flat = flat_float32(x)
         bits = flat.view(torch.int32)
         numel = flat.numel()
         draw = scratch("natural-draw", numel, torch.int32, flat.device)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
-from .base import Payload, SeededCompressor
+from .base import Payload, SeededCompressor, flat_float32
 from .scratch import scratch
 
 
@@ -24,9 +24,7 @@ class TernGrad(SeededCompressor):
     randomness = "local"
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
-        flat = x.reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
+        flat = flat_float32(x)
         scale = torch.maximum(flat.amax(), flat.amin().neg()) if flat.numel() else flat.new_zeros(())
         # Keep x_i with probability |x_i| / s: compare |x_i| with a uniform draw times s, for
         # each sign separately, so no |x| temporary is needed.
