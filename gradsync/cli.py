@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from . import compress
 from .bench import kernels
+from .config import SyncConfig
 
 # Bits per element are quoted for a tensor of this many fp32 elements (4 MiB).
 _LIST_NUMEL = 1 << 20
@@ -55,7 +56,7 @@ def describe(name: str) -> dict[str, object]:
         "exchange": exchange,
         "fixed_size": cls.fixed_size,
         # What SyncConfig's error_feedback="auto" picks for it.
-        "auto_feedback": "ef" if cls.needs_feedback else "none",
+        "auto_feedback": SyncConfig(compressor=name).feedback_name,
         # The largest payload where its size depends on the data.
         "bits_per_element": 8 * codec.payload_bytes(_LIST_NUMEL) / _LIST_NUMEL,
         "parameters": {k: v for k, v in compress.parameters(name).items() if k != "seed"},

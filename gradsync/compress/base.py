@@ -145,9 +145,12 @@ class Undoable:
         self.current, self._spare, self._can_undo = new, old, True
         return old, new
 
-    def undo(self) -> None:
-        if self._can_undo:
-            self.current, self._spare, self._can_undo = self._spare, self.current, False
+    def undo(self) -> bool:
+        """Swap back to the value before the last update; False if there is none to go back to."""
+        if not self._can_undo:
+            return False
+        self.current, self._spare, self._can_undo = self._spare, self.current, False
+        return True
 
     def state(self) -> torch.Tensor | None:
         return None if self.current is None else self.current.clone()

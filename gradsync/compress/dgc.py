@@ -109,10 +109,9 @@ class DGC(SeededCompressor):
         add_sparse_(out, payload)
 
     def undo(self) -> None:
-        if self._u._can_undo:
+        if self._u.undo():
+            self._v.undo()
             self.steps -= 1
-        self._u.undo()
-        self._v.undo()
 
     def payload_bytes(self, numel: int) -> int:
         """Bytes of the next payload (the schedule's density at the current step)."""

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .base import Compressor, Payload, check_int
-from .scratch import padded_rows
+from .scratch import padded_rows, scaled_rows
 
 
 class Int8(Compressor):
@@ -51,11 +51,7 @@ class Int8(Compressor):
                 f"int8 payload has {codes.numel()} codes and {scales.numel()} scales; a tensor of "
                 f"{numel} elements needs {numel} and {num_blocks}: it belongs to another tensor"
             )
-        out = torch.empty(num_blocks * self.block_size, dtype=torch.float32, device=codes.device)
-        out[:numel].copy_(codes)
-        out[numel:].zero_()
-        out.view(num_blocks, self.block_size).mul_(scales.unsqueeze(1))
-        return out[:numel].to(dtype).reshape(shape)
+        return scaled_rows(codes, self.block_size, scales).to(dtype).reshape(shape)
 
     def payload_bytes(self, numel: int) -> int:
         return numel + 4 * -(-numel // self.block_size)

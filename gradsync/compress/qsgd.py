@@ -9,7 +9,7 @@ import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from .base import Payload, SeededCompressor, check_choice, check_int
-from .scratch import padded_rows, scratch
+from .scratch import padded_rows, scaled_rows, scratch
 
 
 class QSGD(SeededCompressor):
@@ -74,11 +74,9 @@ class QSGD(SeededCompressor):
                 f"qsgd payload has {norms.numel()} bucket norms but a tensor of {numel} elements "
                 f"has {num_buckets} buckets of {self.bucket_size}"
             )
-        out = torch.empty(num_buckets * self.bucket_size, dtype=torch.float32, device=packed.device)
-        out[:numel].copy_(unpack_bits(packed, self.bits, numel)).sub_(self.levels)
-        out[numel:].zero_()
-        out.view(num_buckets, self.bucket_size).mul_((norms / self.levels).unsqueeze(1))
-        return out[:numel].to(dtype).reshape(shape)
+        codes = unpack_bits(packed, self.bits, numel)
+        values = scaled_rows(codes, self.bucket_size, norms / self.levels, offset=self.levels)
+        return values.to(dtype).reshape(shape)
 
     def payload_bytes(self, numel: int) -> int:
         num_buckets = -(-numel // self.bucket_size)

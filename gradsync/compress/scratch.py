@@ -48,3 +48,23 @@ def padded_rows(flat: torch.Tensor, row_size: int, slot: str) -> torch.Tensor:
     rows[:numel].copy_(flat)
     rows[numel:].zero_()
     return rows.view(num_rows, row_size)
+
+
+def magnitude(flat: torch.Tensor) -> torch.Tensor:
+    """|flat| in a scratch tensor: valid until the next call on this thread."""
+    return torch.abs(flat, out=scratch("magnitude", flat.numel(), flat.dtype, flat.device))
+
+
+def scaled_rows(codes: torch.Tensor, row_size: int, scales: torch.Tensor, offset: float = 0) -> torch.Tensor:
+    """(codes - offset) * scale of their row, as a fresh float32 tensor of codes.numel() elements.
+
+    The inverse of quantizing `padded_rows`: the rows are padded in the output buffer, so the
+    per-row scale broadcasts over whole rows without a copy of the codes.
+    """
+    numel = codes.numel()
+    num_rows = -(-numel // row_size)
+    out = torch.empty(num_rows * row_size, dtype=torch.float32, device=codes.device)
+    out[:numel].copy_(codes).sub_(offset)
+    out[numel:].zero_()
+    out.view(num_rows, row_size).mul_(scales.unsqueeze(1))
+    return out[:numel]

@@ -13,7 +13,7 @@ import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from .base import Compressor, Payload, Undoable, check_real
-from .scratch import scratch
+from .scratch import magnitude, scratch
 
 
 def pack_signs(flat: torch.Tensor) -> torch.Tensor:
@@ -34,14 +34,6 @@ def decode_signs(packed: torch.Tensor, numel: int, positive: float, negative: fl
     """
     out = unpack_bits(packed, 1, numel).to(torch.float32)
     return out.mul_(positive - negative).add_(negative)
-
-
-def _check_payload(packed: torch.Tensor, numel: int) -> None:
-    if packed.numel() != packed_nbytes(numel, 1):
-        raise ValueError(
-            f"sign payload has {packed.numel()} bytes but a tensor of {numel} elements needs "
-            f"{packed_nbytes(numel, 1)}: the payload belongs to a tensor of another size"
-        )
 
 
 class SignSGD(Compressor):
@@ -66,7 +58,6 @@ class SignSGD(Compressor):
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         shape, dtype = ctx
-        _check_payload(payload[0], shape.numel())
         return decode_signs(payload[0], shape.numel(), 1.0, -1.0).to(dtype).reshape(shape)
 
     def payload_bytes(self, numel: int) -> int:
@@ -113,14 +104,12 @@ class EFSignSGD(Compressor):
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)
-        size = torch.abs(flat, out=scratch("magnitude", flat.numel(), flat.dtype, flat.device))
-        scale = size.sum(dtype=torch.float32).div_(max(1, flat.numel())).reshape(1)
+        scale = magnitude(flat).sum(dtype=torch.float32).div_(max(1, flat.numel())).reshape(1)
         return (pack_signs(flat), scale), (x.shape, x.dtype)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         packed, scale = payload
         shape, dtype = ctx
-        _check_payload(packed, shape.numel())
         s = float(scale)
         return decode_signs(packed, shape.numel(), s, -s).to(dtype).reshape(shape)
 
@@ -155,7 +144,6 @@ class OneBit(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         packed, means = payload
         shape, dtype = ctx
-        _check_payload(packed, shape.numel())
         positive, negative = means.tolist()
         return decode_signs(packed, shape.numel(), positive, negative).to(dtype).reshape(shape)
 

@@ -14,7 +14,7 @@ import torch
 
 from ..wire import decode_indices, encode_indices
 from .base import Compressor, Payload, shape_ctx
-from .scratch import scratch
+from .scratch import magnitude
 
 # How many more candidates than k the sampled threshold aims for: a margin makes a second,
 # lower threshold rarely necessary, while the exact top-k among ~1.5k candidates stays cheap.
@@ -60,11 +60,6 @@ def add_sparse_(out: torch.Tensor, payload: Payload) -> None:
     indices = decode_indices(encoded, out.numel(), values.numel())
     # Indices are distinct within one payload, so this adds in a fixed order even on CUDA.
     out.view(-1).index_add_(0, indices, values.to(out.dtype))
-
-
-def magnitude(flat: torch.Tensor) -> torch.Tensor:
-    """|flat| in a scratch tensor: valid until the next call on this thread."""
-    return torch.abs(flat, out=scratch("magnitude", flat.numel(), flat.dtype, flat.device))
 
 
 def exact_topk(flat: torch.Tensor, k: int) -> torch.Tensor:

@@ -8,7 +8,8 @@ import torch
 
 from ..wire import index_nbytes
 from .base import check_real
-from .sparse import Sparsifier, magnitude
+from .scratch import magnitude
+from .sparse import Sparsifier
 
 
 class Threshold(Sparsifier):
