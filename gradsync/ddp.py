@@ -71,9 +71,10 @@ class SyncState:
     ) -> Future[torch.Tensor]:
         """Average `buffer` over the ranks: the hook's whole job, usable without DDP too.
 
-        The future holds a tensor shaped like `buffer`: a fresh one on compressed steps, `buffer`
-        itself (allreduced in place) on uncompressed ones. `buffer` is divided by the world size in
-        place and must stay untouched until the future completes.
+        The future holds a tensor shaped like `buffer`: `buffer` itself where the average can be
+        written there (uncompressed steps; compressed ones whose payloads are allgathered, where
+        nothing reads `buffer` any more, see below), else a fresh one. `buffer` is divided by the
+        world size in place and must stay untouched until the future completes.
         """
         comm = self._comm()
         if not self._ranks_agree:
@@ -94,7 +95,13 @@ class SyncState:
         finite = _is_finite(buffer)
         # A non-finite gradient never enters a memory: it is not even added to one.
         p = point.feedback.prepare(buffer) if finite else buffer
-        future = exchange.start(point.codec, p, comm, finite)
+        # The sum is decoded into `buffer`, as PyTorch's own hooks return the bucket they were
+        # given: a fresh full-size tensor costs as much in page faults as a copy, and DDP has
+        # nothing to copy back where gradients are views of the bucket. Only when nothing reads
+        # `buffer` afterwards: what was compressed is another tensor, and feedback's update does
+        # not read the gradient.
+        into_buffer = p is not buffer and not type(point.feedback).reads_gradient
+        future = exchange.start(point.codec, p, comm, finite, out=buffer if into_buffer else None)
         return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, (point, p)))
 
     def stats(self) -> dict[str, Any]:
@@ -158,7 +165,7 @@ class SyncState:
             out = result.total
         else:
             point, p = compressed
-            out = point.feedback.update(buffer, p, result.local, result.total)
+            out = point.feedback.update(buffer, p, result.local, result.total, result.remove_local_)
         numel = buffer.numel()
         self.trace.record(
             BucketRecord(

@@ -10,8 +10,9 @@ The scheme follows the compressor's declared capabilities:
              every field at once, and the result is sign(2 * votes - n): +1, -1 or 0 on a tie.
   plain      no codec: the tensor itself is allreduced (warm-up steps, small buckets).
 
-Every rank decodes the payloads in rank order into a fresh tensor, so the sum is bit-identical
-on every rank. The callers pre-divide by the world size, so the sum is the average.
+Every rank decodes the payloads in rank order into a zeroed tensor (fresh, or the caller's
+`out`), so the sum is bit-identical on every rank. The callers pre-divide by the world size, so
+the sum is the average.
 
 Non-finite gradients: a rank whose tensor is not finite compresses zeros instead, so its codec
 state stays in step with the other ranks, and raises a flag: every frame ends in one element
@@ -34,6 +35,7 @@ from .compress import Compressor, Payload
 from .wire import field_bits, pack_fields, unpack_bits, unpack_fields
 
 Local = Callable[[], torch.Tensor]
+RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -41,20 +43,46 @@ class Exchanged:
     """The outcome of one exchange, as seen by one rank."""
 
     total: torch.Tensor | None  # decoded sum over ranks, same bits on every rank; None if not finite
-    local: Callable[[], torch.Tensor]  # this rank's own decoded payload, for error feedback
+    local: Local  # this rank's own decoded payload, for error feedback
     finite: bool  # False when any rank's input was not finite
     payload_bytes: int  # bytes of this rank's payload as exchanged (votes: the count fields), all rounds
     bytes_sent: int  # bytes this rank sends over its links (ring algorithms), flags and padding included
     seconds: dict[str, float] = field(default_factory=dict)  # compress, communicate, decompress
+    # t -= local() in place, by the codec's sub_decoded_ (sparse codecs touch only what they sent);
+    # None where the payload is decoded only as a whole (multi-round codecs): local() is subtracted.
+    subtract_local: RemoveLocal | None = None
+
+    def remove_local_(self, t: torch.Tensor) -> torch.Tensor:
+        """t -= local(), in place, the same bits as t - local(); returns t.
+
+        Where t is the tensor that was compressed, call local() before, not after: a payload may
+        be a view of its input (identity), and would then change with it.
+        """
+        if self.subtract_local is None:
+            return t.sub_(self.local())
+        return self.subtract_local(t)
 
 
-def start(codec: Compressor | None, x: torch.Tensor, comm: Comm, finite: bool = True) -> Future[Exchanged]:
+def start(
+    codec: Compressor | None,
+    x: torch.Tensor,
+    comm: Comm,
+    finite: bool = True,
+    out: torch.Tensor | None = None,
+) -> Future[Exchanged]:
     """Compress `x`, launch its exchange and return a future of the result.
 
     Collectives are launched before returning (blocking only where a second collective depends on
     the first), so all ranks issue them in the same order; decoding runs when the data arrives.
-    `codec=None` allreduces `x` itself, in place.
+    `codec=None` allreduces `x` itself, in place. `out` (shaped like `x`, sharing no memory with
+    it) is where the allgather scheme decodes the sum, which is then `out` itself, instead of a
+    fresh tensor; the other schemes take the sum from the collective's own buffer and ignore it.
     """
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(
+            f"out is {out.dtype} {tuple(out.shape)} on {out.device} but x is {x.dtype} {tuple(x.shape)} "
+            f"on {x.device}: the sum is decoded into out, so it must match x"
+        )
     clock = _Clock()
     if codec is None:
         return _plain(x, comm, clock)
@@ -66,11 +94,18 @@ def start(codec: Compressor | None, x: torch.Tensor, comm: Comm, finite: bool = 
     def local() -> torch.Tensor:
         return codec.decompress(payload, ctx)
 
+    def subtract_local(t: torch.Tensor) -> torch.Tensor:
+        codec.sub_decoded_(t, payload, ctx)
+        return t
+
+    def decode_summed(summed: Payload) -> tuple[torch.Tensor, Local, RemoveLocal]:
+        return codec.decompress(summed, ctx), local, subtract_local
+
     if type(codec).majority_vote:
-        return _vote(payload, x, comm, finite, clock, local)
+        return _vote(payload, x, comm, finite, clock, local, subtract_local)
     if type(codec).summable:
-        return _allreduce(payload, comm, finite, clock, lambda summed: (codec.decompress(summed, ctx), local))
-    return _allgather(codec, payload, ctx, x, comm, finite, clock, local)
+        return _allreduce(payload, comm, finite, clock, decode_summed)
+    return _allgather(codec, payload, ctx, x, comm, finite, clock, local, subtract_local, out)
 
 
 def allreduce_sent_bytes(nbytes: int, world_size: int) -> int:
@@ -99,10 +134,11 @@ def _allreduce(
     comm: Comm,
     finite: bool,
     clock: _Clock,
-    decode: Callable[[Payload], tuple[torch.Tensor, Local]],
+    decode: Callable[[Payload], tuple[torch.Tensor, Local, RemoveLocal | None]],
     spent: tuple[int, int] = (0, 0),
 ) -> Future[Exchanged]:
-    """Sum the payload over ranks; `decode` turns the summed payload into (total, local)."""
+    """Sum the payload over ranks; `decode` turns the summed payload into (total, local,
+    subtract_local)."""
     # The frame is a copy: error feedback decodes the unsummed payload after the exchange.
     frame = _framed([t.reshape(-1) for t in payload], finite)
     payload_bytes = spent[0] + frame.nbytes - frame.element_size()
@@ -113,15 +149,21 @@ def _allreduce(
         summed_frame = future.value()
         if summed_frame[-1] != 0 or not _all_finite((summed_frame,)):
             return Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds)
-        total, local = decode(_split(summed_frame[:-1], payload))
+        total, local, subtract_local = decode(_split(summed_frame[:-1], payload))
         clock.lap("decompress")
-        return Exchanged(total, local, True, payload_bytes, sent, clock.seconds)
+        return Exchanged(total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
 
     return comm.allreduce(frame).then(done)
 
 
 def _vote(
-    payload: Payload, like: torch.Tensor, comm: Comm, finite: bool, clock: _Clock, local: Local
+    payload: Payload,
+    like: torch.Tensor,
+    comm: Comm,
+    finite: bool,
+    clock: _Clock,
+    local: Local,
+    subtract_local: RemoveLocal,
 ) -> Future[Exchanged]:
     """Majority vote over ranks' sign bits: counts summed in packed int32 fields by one allreduce."""
     numel = like.numel()
@@ -139,7 +181,7 @@ def _vote(
         votes_for_plus = unpack_fields(summed[:-1], bits, numel)
         total = votes_for_plus.mul_(2).sub_(comm.world_size).sign_().to(like.dtype).view(like.shape)
         clock.lap("decompress")
-        return Exchanged(total, local, True, words.nbytes, sent, clock.seconds)
+        return Exchanged(total, local, True, words.nbytes, sent, clock.seconds, subtract_local)
 
     return comm.allreduce(frame).then(done)
 
@@ -152,7 +194,9 @@ def _allgather(
     comm: Comm,
     finite: bool,
     clock: _Clock,
-    local: Callable[[], torch.Tensor],
+    local: Local,
+    subtract_local: RemoveLocal,
+    out: torch.Tensor | None,
 ) -> Future[Exchanged]:
     frame = _framed([t.reshape(-1).view(torch.uint8) for t in payload], finite)
     if type(codec).fixed_size:
@@ -172,12 +216,14 @@ def _allgather(
         finite = all(flag == 0 for flag in flags) and all(_all_finite(p) for p in payloads)
         total = None
         if finite:
-            total = torch.zeros_like(like)
+            total = torch.zeros_like(like) if out is None else out.zero_()
             for rank_payload in payloads:  # rank order: the same sum on every rank
                 codec.add_decoded_(total, rank_payload, ctx)
         clock.lap("decompress")
-        decoded_local = local if finite else _not_finite
-        return Exchanged(total, decoded_local, finite, sum(t.nbytes for t in payload), sent, clock.seconds)
+        payload_bytes = sum(t.nbytes for t in payload)
+        if not finite:
+            return Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds)
+        return Exchanged(total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
 
     return comm.allgather(frame).then(done)
 
@@ -198,7 +244,10 @@ def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, clock:
         payload, ctx = codec.next_round(_split(summed_frame[:-1], payload), ctx)  # type: ignore[attr-defined]
     clock.lap("compress")
     finish = codec.finish  # type: ignore[attr-defined]
-    return _allreduce(payload, comm, True, clock, lambda summed: finish(summed, ctx), (payload_bytes, sent))
+    # The local decode comes from the last round as a whole: feedback subtracts local().
+    return _allreduce(
+        payload, comm, True, clock, lambda summed: (*finish(summed, ctx), None), (payload_bytes, sent)
+    )
 
 
 def _not_finite() -> torch.Tensor:

@@ -4,12 +4,17 @@ One Feedback object per compression point (per DDP bucket). A step with feedback
 
     p = fb.prepare(g)                  # what to compress
     ... compress p, exchange, decode ...
-    out = fb.update(g, p, local, total)
+    out = fb.update(g, p, local, total, remove_local_)
 
 where `local` is this rank's own decoded payload (a function, called only by forms that need
-it) and `total` the decoded sum over ranks, bit-identical on every rank. `update` changes the
-memory and returns the gradient to apply. The caller calls `update` only for steps whose
-gradients were finite on every rank, so non-finite values never enter a memory.
+it), `remove_local_(t)` subtracts it from t in place and returns t (sparse codecs do so without
+a dense temporary), and `total` the decoded sum over ranks, bit-identical on every rank.
+`update` changes the memory and returns the gradient to apply; it may overwrite `p`, and a form
+that declares reads_gradient False may find `g` overwritten by then (the hook decodes the sum
+into it). The caller calls `update` only for steps whose gradients were finite on every rank,
+so non-finite values never enter a memory; a point's steps run one after the other.
+
+`prepare` returns `g` itself or a tensor that shares no memory with `g`.
 """
 
 from __future__ import annotations
@@ -23,24 +28,37 @@ from . import registry
 from .compress.base import check_real
 
 Local = Callable[[], torch.Tensor]
+RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Feedback:
-    """No memory: the decoded average is the gradient."""
+    """No memory: the decoded average is the gradient.
 
-    uses_local: ClassVar[bool] = False  # whether update() calls `local`
+    Public attributes are the state (state_dict); private ones are spare buffers, rebuilt on
+    demand, never checkpointed or pickled.
+    """
+
+    uses_local: ClassVar[bool] = False  # whether update() calls `local` (or `remove_local_`)
+    reads_gradient: ClassVar[bool] = False  # whether update() reads the values of `g`
 
     def prepare(self, g: torch.Tensor) -> torch.Tensor:
         return g
 
-    def update(self, g: torch.Tensor, p: torch.Tensor, local: Local, total: torch.Tensor) -> torch.Tensor:
+    def update(
+        self,
+        g: torch.Tensor,
+        p: torch.Tensor,
+        local: Local,
+        total: torch.Tensor,
+        remove_local_: RemoveLocal | None = None,
+    ) -> torch.Tensor:
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: _copy(value) for name, value in vars(self).items()}
+        return {name: _copy(value) for name, value in self._state().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = set(vars(self))
+        expected = set(self._state())
         if set(state) != expected:
             raise ValueError(
                 f"{type(self).__name__} state has keys {sorted(state)}, expected {sorted(expected)}: "
@@ -48,6 +66,13 @@ class Feedback:
             )
         for name, value in state.items():
             setattr(self, name, _copy(value))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spare buffers hold nothing worth keeping; pickled, they would double the state's size.
+        return {name: None if name.startswith("_") else value for name, value in vars(self).items()}
+
+    def _state(self) -> dict[str, Any]:
+        return {name: value for name, value in vars(self).items() if not name.startswith("_")}
 
     def _memory(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The named memory, zero on first use and on the device of `like`."""
@@ -75,18 +100,38 @@ class ErrorFeedback(Feedback):
 
     p = g + e; send C(p); e <- p - decoded(C(p)). So g + e_old == decoded + e_new: nothing is lost,
     only delayed.
+
+    p is written into a spare buffer and becomes the memory in update, where the old memory
+    becomes the next spare: no full-size tensor is allocated per step (a fresh one of tens of
+    MiB costs as much in page faults as a copy), and the memory stays untouched until update,
+    so a step skipped as non-finite leaves no trace.
     """
 
     uses_local = True
 
     def __init__(self) -> None:
         self.error: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # where the next p is written
 
     def prepare(self, g: torch.Tensor) -> torch.Tensor:
-        return g + self._memory("error", g)
+        error = self._memory("error", g)
+        spare = self._spare
+        if spare is None or spare.shape != g.shape or spare.dtype != g.dtype or spare.device != g.device:
+            spare = self._spare = torch.empty_like(g)
+        return torch.add(g, error, out=spare)
 
-    def update(self, g: torch.Tensor, p: torch.Tensor, local: Local, total: torch.Tensor) -> torch.Tensor:
-        self.error = p - local()
+    def update(
+        self,
+        g: torch.Tensor,
+        p: torch.Tensor,
+        local: Local,
+        total: torch.Tensor,
+        remove_local_: RemoveLocal | None = None,
+    ) -> torch.Tensor:
+        # p - decoded, computed in p (our spare, from prepare): the same bits as p - local(),
+        # without a full-size tensor; sparse codecs touch only the entries they sent.
+        residual = remove_local_(p) if remove_local_ is not None else p.sub_(local())
+        self._spare, self.error = self.error, residual
         return total
 
 
@@ -107,7 +152,14 @@ class EF21(Feedback):
     def prepare(self, g: torch.Tensor) -> torch.Tensor:
         return g - self._memory("h_local", g)
 
-    def update(self, g: torch.Tensor, p: torch.Tensor, local: Local, total: torch.Tensor) -> torch.Tensor:
+    def update(
+        self,
+        g: torch.Tensor,
+        p: torch.Tensor,
+        local: Local,
+        total: torch.Tensor,
+        remove_local_: RemoveLocal | None = None,
+    ) -> torch.Tensor:
         self._memory("h_local", g).add_(local())
         h_mean = self._memory("h_mean", g).add_(total)
         return h_mean.clone()  # the caller may hand the result to DDP, which can alias it
@@ -124,6 +176,7 @@ class EControl(Feedback):
     """
 
     uses_local = True
+    reads_gradient = True
 
     def __init__(self, eta: float = 0.01) -> None:
         self.eta = check_real("eta", eta, 0, 1, "[]", "try the compressor's delta, e.g. 0.01")
@@ -135,7 +188,14 @@ class EControl(Feedback):
         innovation = g - self._memory("h_local", g)
         return innovation.add_(self._memory("error", g), alpha=self.eta)
 
-    def update(self, g: torch.Tensor, p: torch.Tensor, local: Local, total: torch.Tensor) -> torch.Tensor:
+    def update(
+        self,
+        g: torch.Tensor,
+        p: torch.Tensor,
+        local: Local,
+        total: torch.Tensor,
+        remove_local_: RemoveLocal | None = None,
+    ) -> torch.Tensor:
         delta = local()
         h_local = self._memory("h_local", g)
         self.error = self._memory("error", g) + (g - h_local) - delta

@@ -59,6 +59,12 @@ class Compressor:
         """out += decompress(payload, ctx); sparse codecs override it to skip the dense temporary."""
         out += self.decompress(payload, ctx)
 
+    def sub_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
+        """out -= decompress(payload, ctx), bit for bit, where `out` has the compressed tensor's
+        dtype; sparse codecs override it to touch only the entries they sent. Error feedback
+        takes its residual this way, in place."""
+        out -= self.decompress(payload, ctx)
+
     def payload_bytes(self, numel: int) -> int:
         """Bytes of the payload for an fp32 tensor of `numel` elements (sum of its nbytes); the
         largest payload where the size depends on the data (fixed_size False)."""
