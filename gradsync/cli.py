@@ -1,11 +1,17 @@
-"""Command line: `gradsync list | demo | bench kernels` (python -m gradsync works the same)."""
+"""Command line: `gradsync list | demo | bench kernels|train | testbed up|down|status`.
+
+`python -m gradsync ...` works the same.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import compress
 from .bench import kernels
@@ -20,23 +26,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="every compressor with its flags and bits per element")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    demo = commands.add_parser("demo", help="train a small model with 2 ranks: plain DDP vs gradsync")
-    demo.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
-    bench = commands.add_parser("bench", help="benchmarks: kernels")
+    demo = commands.add_parser(
+        "demo", help="gpt-tiny on 4 ranks: plain DDP vs gradsync, on an emulated 1 Gbit/s network"
+    )
+    demo.add_argument("--steps", type=int, default=None, help="training steps per run (default: the demo's)")
+    demo.add_argument("--loopback", action="store_true", help="skip the emulated network")
+    bench = commands.add_parser("bench", help="benchmarks: kernels, train")
     benches = bench.add_subparsers(dest="bench", required=True)
     # One entry per benchmark, each with its own parser for its own errors.
-    bench_parsers = {"kernels": _add_bench_kernels(benches)}
+    bench_parsers = {"kernels": _add_bench_kernels(benches), "train": _add_bench_train(benches)}
+    testbed_parser = _add_testbed(commands)
     args = parser.parse_args(argv)
     if args.command == "list":
         return _list(args.json)
     if args.command == "bench":
-        run_bench = {"kernels": _bench_kernels}[args.bench]
+        run_bench = {"kernels": _bench_kernels, "train": _bench_train}[args.bench]
         return run_bench(args, bench_parsers[args.bench])
-    if args.steps < 20:
-        parser.error(f"--steps={args.steps} is too short: warm-up alone takes 10 steps; use >= 20")
-    from .demo import main as demo_main  # imports torch.multiprocessing only when needed
+    if args.command == "testbed":
+        return _testbed(args, testbed_parser)
+    from .demo import main as demo_main
 
-    return demo_main(steps=args.steps)
+    return demo_main(steps=args.steps, use_testbed=not args.loopback, parser=demo)
 
 
 def describe(name: str) -> dict[str, object]:
@@ -135,4 +145,159 @@ def _bench_kernels(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     meta = kernels.metadata(args.numel, args.threads, args.repeats)
     path = kernels.write_json(results, meta, args.json)
     print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _add_bench_train(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from .bench.train import BenchOptions
+
+    defaults = BenchOptions.__dataclass_fields__
+    train = benches.add_parser(
+        "train",
+        help="real multi-process training of a workload under several strategies, side by side",
+        description="Each strategy trains the same workload from the same seeds on the same data "
+        "order, one process per rank (gloo). Writes results.json, results.md and PNG plots.",
+    )
+    train.add_argument("--workload", default=defaults["workload"].default, help="gpt-tiny, mlp-wide, ...")
+    train.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload option, e.g. --option batch_size=8 (repeatable)",
+    )
+    train.add_argument("--world", type=int, default=defaults["world_size"].default, help="ranks (default 4)")
+    train.add_argument(
+        "--strategies",
+        default="ddp,torch-fp16,torch-powersgd,topk",
+        help="comma-separated: ddp, torch-fp16, torch-powersgd[:rank=R], or a gradsync compressor "
+        "with options, e.g. topk:ratio=0.01 (default %(default)s)",
+    )
+    train.add_argument("--steps", type=int, default=defaults["steps"].default, help="steps per strategy")
+    train.add_argument("--eval-every", type=int, default=defaults["eval_every"].default)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--tolerance", type=float, default=0.02, help="time-to-target tolerance on DDP's final loss (0.02)"
+    )
+    train.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    train.add_argument("--timeout", type=float, default=1800, help="seconds per strategy before giving up")
+    train.add_argument(
+        "--testbed",
+        action="store_true",
+        help="one rank per host of an emulated network (the one up, or one built for this run)",
+    )
+    train.add_argument("--bandwidth", default="1gbit", help="per-link rate of a testbed built for the run")
+    train.add_argument("--latency", default="0.2ms", help="one-way latency of a testbed built for the run")
+    train.add_argument("--no-probe", action="store_true", help="skip the testbed's bandwidth probe")
+    train.add_argument("--out", default="runs/bench-train", help="output folder (default %(default)s)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return train
+
+
+def _bench_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench import train
+
+    try:
+        workload_options = dict(_key_value(item) for item in args.option)
+        options = train.BenchOptions(
+            workload=args.workload,
+            workload_options=workload_options,
+            world_size=args.world,
+            strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+            steps=args.steps,
+            eval_every=args.eval_every,
+            seed=args.seed,
+            tolerance=args.tolerance,
+            threads=args.threads,
+            timeout_s=args.timeout,
+        )
+        from . import workloads
+
+        workloads.build(options.workload, seed=options.seed, **workload_options)  # bad options fail here
+    except (KeyError, TypeError, ValueError) as err:
+        parser.error(str(err).strip("'\""))
+    return run_training_bench(
+        options,
+        args.testbed,
+        args.bandwidth,
+        args.latency,
+        not args.no_probe,
+        args.out,
+        progress=not args.no_progress,
+    )
+
+
+def run_training_bench(
+    options: Any,
+    use_testbed: bool,
+    bandwidth: str,
+    latency: str,
+    probe: bool,
+    out: str,
+    progress: bool = True,
+) -> int:
+    """Run the training benchmark (on a testbed when asked and possible), print and write results."""
+    from .bench import report, train
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    with contextlib.ExitStack() as stack:
+        network = train.open_network(stack, use_testbed, options.world_size, bandwidth, latency, probe, say)
+        document = train.run(options, network, progress=progress)
+    print(report.table(document))
+    for path in report.write(document, out):
+        say(f"wrote {path}")
+    return 0
+
+
+def _key_value(item: str) -> tuple[str, Any]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--option {item!r} is not KEY=VALUE, e.g. --option batch_size=8")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def _add_testbed(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    bed = commands.add_parser("testbed", help="an emulated multi-host network (Linux namespaces, tc)")
+    actions = bed.add_subparsers(dest="action", required=True)
+    up = actions.add_parser("up", help="build N hosts joined by a bridge, each link shaped")
+    up.add_argument("--hosts", type=int, default=4, help="hosts (default 4)")
+    up.add_argument("--bandwidth", default="1gbit", help="per-link rate, e.g. 1gbit, 100mbit (default 1gbit)")
+    up.add_argument("--latency", default="0.2ms", help="one-way host-to-host latency (default 0.2ms)")
+    up.add_argument("--no-probe", action="store_true", help="skip the allreduce bandwidth probe")
+    actions.add_parser("down", help="remove every gradsync namespace, link and qdisc")
+    actions.add_parser("status", help="what is up")
+    return bed
+
+
+def _testbed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import testbed
+
+    if args.action == "down":
+        removed = testbed.down()
+        print(f"removed {', '.join(removed)}" if removed else "no testbed was up")
+        return 0
+    if args.action == "status":
+        print(testbed.format_status())
+        return 0
+    reason = testbed.available()
+    if reason is not None:
+        print(f"cannot build a testbed: {reason}", file=sys.stderr)
+        return 1
+    if args.hosts < 2:
+        parser.error(f"--hosts={args.hosts} must be >= 2: a network needs two ends")
+    try:
+        bed = testbed.up(args.hosts, args.bandwidth, args.latency)
+    except ValueError as err:
+        parser.error(str(err))
+    print(f"up: {bed.describe()}")
+    if not args.no_probe:
+        from .bench.train import describe_probe
+
+        print(describe_probe(testbed.probe(bed), bed))
+    print("run `gradsync bench train --testbed ...` on it; `gradsync testbed down` removes it")
     return 0

@@ -1,0 +1,108 @@
+"""Reports of a training benchmark: the Markdown table, the JSON document and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def table(document: dict[str, Any]) -> str:
+    """The comparison as a Markdown table, one row per strategy, with the run's conditions."""
+    lines = [
+        "| strategy | step median (s) | step p90 (s) | speed-up | samples/s | MB sent/step | "
+        "wire MB/step | final eval loss | time to target (s) | TTT speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in document["runs"]:
+        wire = _number(r["wire_bytes_per_step"], 1e-6, ".2f")
+        ttt = _number(r["time_to_target_s"], 1, ".1f", missing="not reached")
+        lines.append(
+            f"| {r['label']} | {r['step_median_s']:.3f} | {r['step_p90_s']:.3f} | "
+            f"{_times(r.get('step_speedup'))} | {r['samples_per_s']:.1f} | {r['bytes_per_step'] / 1e6:.2f} | "
+            f"{wire} | {r['final_loss']:.4f} | {ttt} | {_times(r.get('time_to_target_speedup'))} |"
+        )
+    return "\n".join(lines) + "\n\n" + conditions(document)
+
+
+def conditions(document: dict[str, Any]) -> str:
+    """What the table was measured on, in a few sentences."""
+    meta = document["meta"]
+    options, network = meta["options"], meta["network"]
+    measured = network.get("measured_bps")
+    probe = f"; an allreduce probe measured {measured / 1e9:.3f} Gbit/s bus bandwidth" if measured else ""
+    target = meta["target_loss"]
+    return (
+        f"{meta['workload_description']}; {options['world_size']} ranks, {options['steps']} steps, "
+        f"{options['threads']} torch thread(s) per rank, on {meta['machine']['cores']} cores. "
+        f"Network: {network['description']}{probe}. Step times and bytes count the "
+        f"{options['steps'] - meta['steady_from']} steps from step {meta['steady_from']} on (after the "
+        "fp32 warm-up). "
+        "MB sent/step: bytes each rank hands to the network per step by the algorithm's count; wire "
+        "MB/step: bytes its interface transmitted (testbed only, TCP/IP included). "
+        + (
+            f"Target: DDP's final eval loss x (1 + {meta['tolerance']:g}) = {target:.4f}; time to target "
+            "is training wall-clock time (evaluations excluded) at the first evaluation at or below it."
+            if target is not None
+            else "No DDP run, so no time-to-target."
+        )
+    )
+
+
+def write(document: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """results.json, results.md and the plots in `out_dir`; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md"]
+    paths[0].write_text(json.dumps(document, indent=1))
+    paths[1].write_text(table(document) + "\n")
+    return paths + plots(document, out)
+
+
+def plots(document: dict[str, Any], out_dir: Path) -> list[Path]:
+    """metric-vs-time.png (held-out loss against training wall-clock) and step-breakdown.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no screen
+    import matplotlib.pyplot as plt
+
+    meta, runs = document["meta"], document["runs"]
+    title = f"{meta['workload']}, {meta['options']['world_size']} ranks, {meta['network']['description']}"
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in runs:
+        wall, loss = [e["wall_s"] for e in r["evals"]], [e["loss"] for e in r["evals"]]
+        ax.plot(wall, loss, marker=".", label=r["label"])
+    if meta["target_loss"] is not None:
+        ax.axhline(meta["target_loss"], color="grey", linestyle="--", linewidth=1, label="target")
+    ax.set(xlabel="training wall-clock time (s)", ylabel="held-out loss", title=title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    curve = out_dir / "metric-vs-time.png"
+    fig.tight_layout()
+    fig.savefig(curve, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 0.6 * len(runs) + 1.5))
+    labels = [r["label"] for r in runs]
+    left = [0.0] * len(runs)
+    for part, color in (("compute", "#4c72b0"), ("compression", "#dd8452"), ("communication", "#55a868")):
+        widths = [r["breakdown_s"][part] or 0.0 for r in runs]
+        ax.barh(labels, widths, left=left, color=color, label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.invert_yaxis()
+    ax.set(xlabel="seconds per step (median)", title=title)
+    ax.legend(fontsize=8)
+    breakdown = out_dir / "step-breakdown.png"
+    fig.tight_layout()
+    fig.savefig(breakdown, dpi=110)
+    plt.close(fig)
+    return [curve, breakdown]
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _number(value: float | None, scale: float, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value * scale, spec)

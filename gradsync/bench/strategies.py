@@ -1,0 +1,180 @@
+"""The gradient exchanges a training benchmark compares, and how each is installed on a DDP model.
+
+A strategy is named on the command line as `name[:key=value:key=value...]`:
+
+- `ddp`: DDP with no hook (fp32 allreduce), the reference;
+- `torch-fp16`: PyTorch's own `fp16_compress_hook`;
+- `torch-powersgd`: PyTorch's own PowerSGD hook (options `rank`, `min_rate`; it starts compressing
+  after gradsync's default warm-up, so the two start at the same step);
+- any gradsync compressor (`gradsync list`), e.g. `topk:ratio=0.001`: gradsync's hook with that
+  compressor. Options are the compressor's arguments plus `ef` (error-feedback form) and `warmup`.
+  `topk` defaults to ratio 0.01 with the sampled threshold, its fast mode.
+
+Example:
+    >>> parse("topk:ratio=0.001").config.compressor_args["ratio"]
+    0.001
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import compress
+from ..config import SyncConfig
+from ..ddp import register
+from ..exchange import allreduce_sent_bytes
+
+BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
+# gradsync's defaults for the benchmark where they differ from the compressor's own.
+_GRADSYNC_DEFAULTS: dict[str, dict[str, Any]] = {"topk": {"ratio": 0.01, "mode": "sampled"}}
+_POWERSGD_OPTIONS = {"rank": 1, "min_rate": 2.0}  # torch's own defaults
+WARMUP_STEPS = SyncConfig().warmup_steps
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to exchange gradients: a baseline, or gradsync with a SyncConfig."""
+
+    text: str  # as given, e.g. "topk:ratio=0.001"
+    kind: str  # "ddp", "torch-fp16", "torch-powersgd" or "gradsync"
+    options: dict[str, Any]
+    config: SyncConfig | None = None  # gradsync only
+
+    @property
+    def label(self) -> str:
+        """A short human name for tables and plots."""
+        if self.kind == "ddp":
+            return "DDP fp32 (no hook)"
+        if self.kind == "torch-fp16":
+            return "torch fp16 hook"
+        if self.kind == "torch-powersgd":
+            return f"torch PowerSGD rank {self.options['rank']}"
+        assert self.config is not None
+        args = ", ".join(f"{k}={v}" for k, v in self.config.compressor_args.items())
+        feedback = self.config.feedback_name
+        return (
+            f"gradsync {self.config.compressor}"
+            + (f" ({args})" if args else "")
+            + (f" + {feedback}" if feedback != "none" else "")
+        )
+
+
+def parse(text: str) -> Strategy:
+    """The Strategy named by `text`; ValueError naming the problem and the valid choices."""
+    name, _, rest = text.strip().partition(":")
+    options = _parse_options(text, rest)
+    if name == "ddp" or name == "torch-fp16":
+        if options:
+            raise ValueError(f"strategy {text!r}: {name} takes no options, got {sorted(options)}")
+        return Strategy(text, name, {})
+    if name == "torch-powersgd":
+        unknown = set(options) - set(_POWERSGD_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"strategy {text!r}: unknown option(s) {sorted(unknown)}; torch-powersgd takes "
+                f"{sorted(_POWERSGD_OPTIONS)}, e.g. torch-powersgd:rank=4"
+            )
+        merged = {**_POWERSGD_OPTIONS, **options}
+        if not isinstance(merged["rank"], int) or merged["rank"] < 1:
+            raise ValueError(f"strategy {text!r}: rank={merged['rank']!r} must be an integer >= 1")
+        return Strategy(text, name, merged)
+    if name not in compress.names():
+        raise ValueError(
+            f"unknown strategy {name!r} in {text!r}; choose one of {', '.join(BASELINES)} or a gradsync "
+            f"compressor: {', '.join(compress.names())}"
+        )
+    feedback = options.pop("ef", "auto")
+    warmup = options.pop("warmup", WARMUP_STEPS)
+    args = {**_GRADSYNC_DEFAULTS.get(name, {}), **options}
+    try:
+        config = SyncConfig(
+            compressor=name, compressor_args=args, error_feedback=feedback, warmup_steps=warmup
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"strategy {text!r}: {err}") from err
+    return Strategy(text, "gradsync", options, config)
+
+
+def parse_list(text: str) -> list[Strategy]:
+    """Comma-separated strategies, each once."""
+    strategies = [parse(item) for item in text.split(",") if item.strip()]
+    if not strategies:
+        raise ValueError(f"no strategy in {text!r}; e.g. ddp,torch-fp16,torch-powersgd,topk")
+    seen = [s.text for s in strategies]
+    duplicates = sorted({t for t in seen if seen.count(t) > 1})
+    if duplicates:
+        raise ValueError(f"strategies {duplicates} are given twice in {text!r}; name each once")
+    return strategies
+
+
+class Installed:
+    """A strategy installed on one rank's DDP model; counts the bytes it puts on the wire."""
+
+    def __init__(self, strategy: Strategy, model: DistributedDataParallel) -> None:
+        self.strategy = strategy
+        self.world_size = model.process_group.size() if model.process_group else 1
+        self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.gradsync = None
+        self.powersgd = None
+        if strategy.kind == "torch-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif strategy.kind == "torch-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            self.powersgd = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=strategy.options["rank"],
+                min_compression_rate=strategy.options["min_rate"],
+                start_powerSGD_iter=WARMUP_STEPS,
+            )
+            model.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
+        elif strategy.kind == "gradsync":
+            self.gradsync = register(model, strategy.config)
+        self._powersgd_counted = 0
+
+    def bytes_sent(self, step: int) -> int:
+        """Bytes this rank sent in `step` (ring algorithms; no TCP/IP headers). Call once per step."""
+        fp32 = allreduce_sent_bytes(4 * self.numel, self.world_size)
+        if self.gradsync is not None:
+            rows = [row for row in self.gradsync.stats()["steps"] if row["step"] == step]
+            return rows[0]["bytes_sent"] if rows else 0
+        if self.strategy.kind == "torch-fp16":
+            return allreduce_sent_bytes(2 * self.numel, self.world_size)
+        if self.powersgd is not None:
+            # The hook counts the elements it allreduces on compressed steps (P, Q and the
+            # tensors it leaves uncompressed); before its start step it allreduces plain fp32.
+            counted = self.powersgd.total_numel_after_compression
+            new, self._powersgd_counted = counted - self._powersgd_counted, counted
+            return allreduce_sent_bytes(4 * new, self.world_size) if new else fp32
+        return fp32
+
+    def compression_seconds(self, step: int) -> float | None:
+        """gradsync's own compress + decompress time in `step`; None for hooks that do not time it."""
+        if self.gradsync is None:
+            return None
+        rows = [row for row in self.gradsync.stats()["steps"] if row["step"] == step]
+        return rows[0]["compress_s"] + rows[0]["decompress_s"] if rows else 0.0
+
+
+def _parse_options(text: str, rest: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(":")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"strategy {text!r}: option {item!r} is not key=value, e.g. topk:ratio=0.01")
+        options[key.strip()] = _value(value.strip())
+    return options
+
+
+def _value(text: str) -> Any:
+    """Numbers and booleans as such; anything else as a string (mode=sampled, ef=ef21)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text

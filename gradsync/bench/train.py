@@ -1,0 +1,392 @@
+"""Training benchmark: real multi-process training of one workload under several strategies.
+
+Each strategy (bench/strategies.py) trains the same workload from the same seeds on the same
+data order, one process per rank over torch.distributed (gloo), on loopback or one rank per host
+of an emulated network (gradsync.testbed). Per run it measures step time (median, p90), samples
+per second, bytes sent per step, the held-out metric against training wall-clock time, and the
+time to reach the reference run's final metric; `report.write` turns that into JSON, Markdown and
+PNG plots.
+
+Example:
+    >>> options = BenchOptions(workload="mlp-wide", world_size=2, strategies=("ddp", "topk"), steps=30)
+    >>> document = run(options, loopback(), progress=False)
+    >>> print(report.table(document))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import testbed, workloads
+from ..testbed import Testbed
+from . import strategies
+from .progress import ProgressBar
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_LOG_TAIL = 40  # lines of a failed rank's log shown in the error
+
+
+class BenchError(RuntimeError):
+    """A benchmark run failed; the message carries the failing ranks' logs."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to train and compare. Every strategy gets exactly the same workload and steps."""
+
+    workload: str = "gpt-tiny"
+    workload_options: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 4
+    strategies: tuple[str, ...] = ("ddp", "torch-fp16", "torch-powersgd", "topk")
+    steps: int = 100
+    eval_every: int = 10  # steps between held-out evaluations (and one at the end)
+    seed: int = 0
+    # Time-to-target: the reference run's (DDP's) final metric, loosened by this fraction.
+    tolerance: float = 0.02
+    threads: int = 1  # torch threads per rank
+    probe_steps: int = 5  # compute-only steps after training, for the step-time breakdown
+    timeout_s: float = 1800.0  # per strategy; the ranks are killed past it
+
+    def __post_init__(self) -> None:
+        _at_least("world_size", self.world_size, 1, "e.g. --world 4")
+        _at_least("steps", self.steps, self.steady_from + 2, "the first steps are warm-up")
+        _at_least("eval_every", self.eval_every, 1, "e.g. --eval-every 10")
+        _at_least("threads", self.threads, 1, "e.g. --threads 1")
+        _at_least("probe_steps", self.probe_steps, 1, "e.g. 5")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance={self.tolerance} must lie in [0, 1); e.g. 0.02 for 2%")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+        for text in self.strategies:
+            strategies.parse(text)  # raises ValueError naming the bad one
+        if len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"strategies {list(self.strategies)} name one twice; name each once")
+        if self.workload not in workloads.names():
+            choices = ", ".join(workloads.names())
+            raise ValueError(f"unknown workload {self.workload!r}; choose one of {choices}")
+
+    @property
+    def steady_from(self) -> int:
+        """First step counted in step times and bytes: after gradsync's and PowerSGD's warm-up
+        (fp32 steps) and one more, whose allocations are one-off."""
+        return strategies.WARMUP_STEPS + 1
+
+
+@dataclass(frozen=True)
+class Network:
+    """Where the ranks run: loopback on this machine, or one rank per testbed host."""
+
+    kind: str  # "loopback" or "testbed"
+    description: str
+    testbed: Testbed | None = None
+    measured_bps: float | None = None  # allreduce bus bandwidth probed before the runs
+
+    def command(self, rank: int, argv: list[str]) -> list[str]:
+        return argv if self.testbed is None else self.testbed.hosts[rank].wrap(argv)
+
+    def env(self, rank: int) -> dict[str, str]:
+        if self.testbed is None:
+            return {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+        host = self.testbed.hosts[rank]
+        return {"MASTER_ADDR": self.testbed.hosts[0].address, "GLOO_SOCKET_IFNAME": host.ifname}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "description": self.description}
+        if self.testbed is not None:
+            out.update(
+                configured_bps=self.testbed.bandwidth_bps,
+                latency_ms=self.testbed.latency_ms,
+                measured_bps=self.measured_bps,
+            )
+        return out
+
+
+def loopback() -> Network:
+    return Network("loopback", "loopback (127.0.0.1), unshaped")
+
+
+def on_testbed(testbed: Testbed, measured_bps: float | None = None) -> Network:
+    return Network("testbed", testbed.describe(), testbed, measured_bps)
+
+
+def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[str, Any]:
+    """Train every strategy in turn; returns the results document (see `summarize`)."""
+    if network.testbed is not None and len(network.testbed.hosts) < options.world_size:
+        raise ValueError(
+            f"the testbed has {len(network.testbed.hosts)} hosts but world_size={options.world_size}; "
+            f"bring one up with --hosts {options.world_size}"
+        )
+    workload = workloads.build(options.workload, seed=options.seed, **options.workload_options)
+    raw = []
+    with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as tmp:
+        for index, text in enumerate(options.strategies):
+            label = strategies.parse(text).label
+            bar = ProgressBar(options.steps, label) if progress else None
+            raw.append(_run_one(options, network, text, Path(tmp), index, bar))
+    meta = {
+        "workload": options.workload,
+        "workload_description": workload.describe(),
+        "params": workload.num_params(),
+        "options": asdict(options),
+        "network": network.to_dict(),
+        "machine": _machine(),
+        "command": " ".join(sys.argv) if sys.argv and sys.argv[0] else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    return summarize(raw, meta, options)
+
+
+def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOptions) -> dict[str, Any]:
+    """Per-run statistics and time-to-target from rank 0's raw measurements. Pure.
+
+    Step times and bytes count steady steps only (from `options.steady_from`). The target is the
+    DDP run's final held-out loss times (1 + tolerance); a run reaches it at its first evaluation
+    at or below it, and its time-to-target is the training wall-clock time of that evaluation.
+    """
+    reference = next((r for r in raw if strategies.parse(r["strategy"]).kind == "ddp"), None)
+    target = reference["evals"][-1]["loss"] * (1 + options.tolerance) if reference else None
+    runs = []
+    for r in raw:
+        steady = r["step_s"][options.steady_from :]
+        step_median = statistics.median(steady)
+        compression = [c for c in r["compression_s"][options.steady_from :] if c is not None]
+        compute = statistics.median(r["compute_s"])
+        compression_s = statistics.median(compression) if compression else None
+        reached = next((e for e in r["evals"] if target is not None and e["loss"] <= target), None)
+        runs.append(
+            {
+                **r,
+                "step_median_s": step_median,
+                "step_p90_s": _quantile(steady, 0.9),
+                "samples_per_s": r["samples_per_step"] / step_median,
+                "bytes_per_step": statistics.median(r["bytes_sent"][options.steady_from :]),
+                "final_loss": r["evals"][-1]["loss"],
+                "final_accuracy": r["evals"][-1].get("accuracy"),
+                "breakdown_s": {
+                    "compute": min(compute, step_median),
+                    "compression": compression_s,
+                    # What the step spends beyond its compute and gradsync's own codec time:
+                    # exposed communication (and, for torch's hooks, their compression too).
+                    "communication": max(0.0, step_median - compute - (compression_s or 0.0)),
+                },
+                "time_to_target_s": reached["wall_s"] if reached else None,
+                "steps_to_target": reached["step"] if reached else None,
+            }
+        )
+    if reference is not None:
+        base = next(run for run in runs if run["strategy"] == reference["strategy"])
+        for run_ in runs:
+            run_["step_speedup"] = base["step_median_s"] / run_["step_median_s"]
+            ttt, base_ttt = run_["time_to_target_s"], base["time_to_target_s"]
+            run_["time_to_target_speedup"] = base_ttt / ttt if ttt and base_ttt else None
+    meta = {**meta, "steady_from": options.steady_from, "target_loss": target, "tolerance": options.tolerance}
+    return {"meta": meta, "runs": runs}
+
+
+# -- running one strategy --------------------------------------------------------------------------
+
+
+def _run_one(
+    options: BenchOptions, network: Network, strategy: str, tmp: Path, index: int, bar: ProgressBar | None
+) -> dict[str, Any]:
+    out = tmp / f"run{index}.json"
+    spec = {
+        "workload": options.workload,
+        "workload_options": options.workload_options,
+        "seed": options.seed,
+        "strategy": strategy,
+        "steps": options.steps,
+        "steady_from": options.steady_from,
+        "eval_every": options.eval_every,
+        "threads": options.threads,
+        "probe_steps": options.probe_steps,
+        "timeout_s": options.timeout_s,
+        "out": str(out),
+    }
+    spec_path = tmp / f"spec{index}.json"
+    spec_path.write_text(json.dumps(spec))
+    port = _master_port(network, index)
+    argv = [sys.executable, "-m", "gradsync.bench.worker", str(spec_path)]
+    logs = [tmp / f"run{index}-rank{rank}.log" for rank in range(options.world_size)]
+    with _ranks(network, argv, options.world_size, port, logs) as procs:
+        _follow(procs, logs, options.timeout_s, bar, strategy)
+    if bar is not None:
+        bar.close()
+    return json.loads(out.read_text())
+
+
+@contextlib.contextmanager
+def _ranks(
+    network: Network, argv: list[str], world_size: int, port: int, logs: list[Path]
+) -> Iterator[list[subprocess.Popen]]:
+    """Start one process per rank; whatever happens (error, Ctrl-C), none outlives the block."""
+    procs: list[subprocess.Popen] = []
+    base_env = {
+        **os.environ,
+        "WORLD_SIZE": str(world_size),
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    try:
+        for rank in range(world_size):
+            env = {**base_env, **network.env(rank), "RANK": str(rank)}
+            log = logs[rank].open("w")
+            procs.append(
+                subprocess.Popen(
+                    network.command(rank, argv),
+                    env=env,
+                    stdout=subprocess.PIPE if rank == 0 else log,
+                    stderr=log,
+                    text=True,
+                    start_new_session=True,  # Ctrl-C reaches us, and we stop them ourselves
+                )
+            )
+            log.close()
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _follow(
+    procs: list[subprocess.Popen], logs: list[Path], timeout_s: float, bar: ProgressBar | None, name: str
+) -> None:
+    """Show rank 0's per-step lines until every rank exits; raise if one fails or time runs out."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read_rank0() -> None:
+        assert procs[0].stdout is not None
+        for line in procs[0].stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read_rank0, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    stdout_open = True
+    while True:
+        failed = [rank for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed:
+            raise BenchError(_failure(name, failed, procs, logs))
+        if not stdout_open and all(p.poll() == 0 for p in procs):
+            return
+        if time.monotonic() > deadline:
+            raise BenchError(f"strategy {name!r} ran past timeout_s={timeout_s:.0f}; raise --timeout")
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line is None:
+            stdout_open = False
+        elif bar is not None and line.startswith("{"):
+            event = json.loads(line)
+            bar.update(event["step"], f"{event['step_s']:.2f} s/step  loss {event['loss']:.3f}")
+
+
+def _failure(name: str, failed: list[int], procs: list[subprocess.Popen], logs: list[Path]) -> str:
+    codes = [procs[rank].returncode for rank in failed]
+    parts = [f"strategy {name!r}: rank(s) {failed} exited with code(s) {codes}"]
+    for rank in failed:
+        text = logs[rank].read_text(errors="replace") if logs[rank].exists() else ""
+        tail = "\n".join(text.splitlines()[-_LOG_TAIL:])
+        parts.append(f"--- rank {rank} log (last {_LOG_TAIL} lines) ---\n{tail}")
+    return "\n".join(parts)
+
+
+def _master_port(network: Network, index: int) -> int:
+    if network.testbed is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    # A testbed host's namespace has its own ports; vary them so a socket of a previous run in
+    # TIME_WAIT cannot be in the way.
+    return 20000 + (os.getpid() * 31 + index) % 20000
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def _at_least(name: str, value: int, low: int, hint: str) -> None:
+    if not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}; {hint}")
+
+
+def open_network(
+    stack: contextlib.ExitStack,
+    use_testbed: bool,
+    hosts: int,
+    bandwidth: str = "1gbit",
+    latency: str = "0.2ms",
+    probe: bool = True,
+    say: Callable[[str], None] = print,
+) -> Network:
+    """Where to run: a testbed (the one already up if it has enough hosts, else one built for this
+    run and removed when `stack` closes) or, when none can be built, loopback with a warning."""
+    if not use_testbed:
+        return loopback()
+    reason = testbed.available()
+    if reason is not None:
+        say(
+            f"WARNING: no emulated network ({reason}); running on loopback instead, where the "
+            "network is not the bottleneck and compression shows its cost, not its gain"
+        )
+        return loopback()
+    bed = testbed.current()
+    if bed is not None and len(bed.hosts) >= hosts:
+        say(f"using the testbed that is up: {bed.describe()} (--bandwidth/--latency apply to new ones)")
+    elif bed is not None:
+        raise ValueError(
+            f"the testbed that is up has {len(bed.hosts)} hosts, fewer than the {hosts} ranks; run "
+            f"`gradsync testbed down`, or `gradsync testbed up --hosts {hosts}`"
+        )
+    else:
+        bed = stack.enter_context(testbed.session(hosts, bandwidth, latency))
+        say(f"testbed built for this run: {bed.describe()}; removed when the run ends")
+    measured = None
+    if probe:
+        measured = testbed.probe(bed)
+        say(describe_probe(measured, bed))
+    return on_testbed(bed, measured)
+
+
+def describe_probe(measured_bps: float, bed: Testbed) -> str:
+    return (
+        f"allreduce probe: {measured_bps / 1e9:.3f} Gbit/s bus bandwidth achieved "
+        f"(configured {bed.bandwidth_bps / 1e9:g} Gbit/s per link)"
+    )

@@ -1,0 +1,178 @@
+"""One rank of a training benchmark run: `python -m gradsync.bench.worker SPEC.json`.
+
+The runner (bench/train.py) starts one such process per rank, on loopback or inside a testbed
+host's network namespace, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and GLOO_SOCKET_IFNAME
+set. Every rank trains the same workload with the same seeds; rank 0 prints one JSON line per step
+on stdout (the runner's progress bar) and writes the run's measurements to the spec's `out`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import workloads
+from . import strategies
+
+
+def main(spec_path: str) -> int:
+    faulthandler.enable()  # a crash in native code leaves the Python stack in the rank's log
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(spec["threads"])
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=spec["timeout_s"])
+    )
+    try:
+        result = train(spec, rank, world_size)
+        if rank == 0:
+            Path(spec["out"]).write_text(json.dumps(result))
+        # Leave together: rank 0 hosts the rendezvous store, and a rank still tearing down its
+        # process group when rank 0 has gone aborts.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Train spec["steps"] steps and return what rank 0 reports; every rank must call it."""
+    workload = workloads.build(spec["workload"], seed=spec["seed"], **spec["workload_options"])
+    # Gradients as views into DDP's buckets save two copies of every gradient per step, for every
+    # strategy alike; it is DDP's own recommended setting for speed.
+    model = DistributedDataParallel(workload.model(), gradient_as_bucket_view=True)
+    installed = strategies.Installed(strategies.parse(spec["strategy"]), model)
+    optimizer = workload.recommended_optimizer(model.parameters())
+    steps, steady_from = spec["steps"], spec["steady_from"]
+    tx = _TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
+
+    evals = [_evaluate(workload, model, rank, world_size, step=0, wall_s=0.0)]
+    step_s: list[float] = []
+    bytes_sent: list[int] = []
+    compression_s: list[float | None] = []
+    wall_s = 0.0  # training time only: evaluations are not on the clock
+    dist.barrier()  # start every rank's clock together
+    for step in range(steps):
+        if step == steady_from:
+            tx.start()
+        started = time.perf_counter()
+        inputs, targets = workload.batch(step, rank, world_size)
+        loss = workload.loss(model, inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - started
+        wall_s += elapsed
+        step_s.append(elapsed)
+        bytes_sent.append(installed.bytes_sent(step))
+        compression_s.append(installed.compression_seconds(step))
+        if rank == 0:
+            print(json.dumps({"step": step + 1, "step_s": elapsed, "loss": loss.item()}), flush=True)
+        if (step + 1) % spec["eval_every"] == 0 or step + 1 == steps:
+            evals.append(_evaluate(workload, model, rank, world_size, step=step + 1, wall_s=wall_s))
+    wire_bytes = tx.per_step(steps - steady_from)
+    compute_s = _compute_only(workload, model, optimizer, rank, world_size, steps, spec["probe_steps"])
+    return {
+        "strategy": spec["strategy"],
+        "label": installed.strategy.label,
+        "params": installed.numel,
+        "samples_per_step": workload.batch_size * world_size,
+        "step_s": step_s,
+        "bytes_sent": bytes_sent,
+        "compression_s": compression_s,
+        "wire_bytes_per_step": _mean_over_ranks(wire_bytes),
+        "compute_s": compute_s,
+        "evals": evals,
+    }
+
+
+def _evaluate(
+    workload: workloads.Workload,
+    model: DistributedDataParallel,
+    rank: int,
+    world_size: int,
+    step: int,
+    wall_s: float,
+) -> dict[str, Any]:
+    """The held-out metric over all ranks' shards: each rank evaluates its own, sums are reduced."""
+    sums = workload.evaluate(model.module, rank, world_size)
+    keys = sorted(sums)
+    totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(totals)
+    total = dict(zip(keys, totals.tolist(), strict=True))
+    point = {"step": step, "wall_s": wall_s, "loss": total["loss_sum"] / total["count"]}
+    if "correct" in total:
+        point["accuracy"] = total["correct"] / total["count"]
+    return point
+
+
+def _compute_only(
+    workload: workloads.Workload,
+    model: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    world_size: int,
+    first_step: int,
+    repeats: int,
+) -> list[float]:
+    """Seconds per step with no gradient exchange (DDP's no_sync), all ranks computing at once.
+
+    Runs after training, so it cannot change the trajectory; it measures the compute part of a
+    step under the same CPU sharing as training.
+    """
+    dist.barrier()
+    seconds = []
+    with model.no_sync():
+        for i in range(repeats):
+            started = time.perf_counter()
+            inputs, targets = workload.batch(first_step + i, rank, world_size)
+            loss = workload.loss(model, inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+class _TxCounter:
+    """Bytes this rank's network interface transmitted: the real traffic, headers included.
+
+    Only meaningful on a testbed host, where the interface is this rank's own; on loopback every
+    rank shares `lo`, so nothing is counted there.
+    """
+
+    def __init__(self, ifname: str | None) -> None:
+        path = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes")
+        self.path = path if ifname and ifname != "lo" and path.exists() else None
+        self.started: int | None = None
+
+    def start(self) -> None:
+        if self.path is not None:
+            self.started = int(self.path.read_text())
+
+    def per_step(self, steps: int) -> float | None:
+        if self.path is None or self.started is None or steps <= 0:
+            return None
+        return (int(self.path.read_text()) - self.started) / steps
+
+
+def _mean_over_ranks(value: float | None) -> float | None:
+    """The mean of every rank's value (a collective: all ranks call it); None if any has none."""
+    mine = torch.tensor([value if value is not None else float("nan")], dtype=torch.float64)
+    dist.all_reduce(mine)
+    total = float(mine)
+    return None if total != total else total / dist.get_world_size()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,81 @@
+"""A short real run of the training benchmark: every strategy trains with 2 gloo ranks on loopback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradsync.bench import report, train
+
+# A small mlp-wide (one bucket of 32k parameters, enough to be compressed), so the run takes seconds.
+_SMALL = {"width": 160, "depth": 2, "features": 32, "classes": 10, "batch_size": 16}
+
+
+@pytest.fixture(scope="module")
+def document(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    options = train.BenchOptions(
+        workload="mlp-wide",
+        workload_options=_SMALL,
+        world_size=2,
+        strategies=("ddp", "torch-fp16", "torch-powersgd", "topk:ratio=0.1"),
+        steps=16,
+        eval_every=4,
+        probe_steps=2,
+        timeout_s=240,
+    )
+    doc = train.run(options, train.loopback(), progress=False)
+    doc["paths"] = [str(p) for p in report.write(doc, tmp_path_factory.mktemp("bench"))]
+    return doc
+
+
+def test_every_strategy_reports_its_measurements(document: dict):
+    runs = {r["strategy"]: r for r in document["runs"]}
+    assert list(runs) == ["ddp", "torch-fp16", "torch-powersgd", "topk:ratio=0.1"]
+    for run in runs.values():
+        assert len(run["step_s"]) == 16 and all(s > 0 for s in run["step_s"])
+        assert [e["step"] for e in run["evals"]] == [0, 4, 8, 12, 16]
+        walls = [e["wall_s"] for e in run["evals"]]
+        assert walls == sorted(walls) and walls[-1] == pytest.approx(sum(run["step_s"]))
+        assert run["step_p90_s"] >= run["step_median_s"] > 0
+        assert run["final_loss"] == run["evals"][-1]["loss"]
+    assert runs["ddp"]["step_speedup"] == 1.0
+
+
+def test_same_seeds_and_data_give_the_same_trajectory_until_compression_starts(document: dict):
+    runs = {r["strategy"]: r for r in document["runs"]}
+    start = runs["ddp"]["evals"][0]["loss"]
+    assert all(r["evals"][0]["loss"] == start for r in runs.values())
+    # gradsync and PowerSGD allreduce fp32 for their first 10 steps: the same training as DDP's
+    # (up to the order of division and summation), visible at the evaluations of steps 4 and 8.
+    for strategy in ("torch-powersgd", "topk:ratio=0.1"):
+        for ddp_eval, other in zip(runs["ddp"]["evals"][1:3], runs[strategy]["evals"][1:3], strict=True):
+            assert other["loss"] == pytest.approx(ddp_eval["loss"], rel=1e-5)
+    # fp16 rounding shows from the first step on, but stays close.
+    assert runs["torch-fp16"]["evals"][1]["loss"] == pytest.approx(runs["ddp"]["evals"][1]["loss"], rel=1e-2)
+
+
+def test_bytes_per_step_follow_each_exchange(document: dict):
+    runs = {r["strategy"]: r for r in document["runs"]}
+    ddp = runs["ddp"]["bytes_per_step"]
+    params = document["meta"]["params"]
+    assert ddp == 2 * (2 - 1) * 4 * params // 2  # ring allreduce of fp32 with 2 ranks
+    assert runs["torch-fp16"]["bytes_per_step"] == ddp // 2
+    assert runs["torch-powersgd"]["bytes_per_step"] < ddp / 2
+    assert runs["topk:ratio=0.1"]["bytes_per_step"] < ddp / 2
+    # gradsync's own timing of its codec is part of the breakdown; torch's hooks have none.
+    assert runs["topk:ratio=0.1"]["breakdown_s"]["compression"] > 0
+    assert runs["ddp"]["breakdown_s"]["compression"] is None
+
+
+def test_results_are_written_as_json_markdown_and_plots(document: dict):
+    names = sorted(Path(p).name for p in document["paths"])
+    assert names == ["metric-vs-time.png", "results.json", "results.md", "step-breakdown.png"]
+    written = json.loads(Path(next(p for p in document["paths"] if p.endswith(".json"))).read_text())
+    assert written["meta"]["network"]["kind"] == "loopback"
+    assert written["meta"]["target_loss"] == pytest.approx(runs_final(written, "ddp") * 1.02)
+
+
+def runs_final(document: dict, strategy: str) -> float:
+    return next(r["final_loss"] for r in document["runs"] if r["strategy"] == strategy)

@@ -1,0 +1,258 @@
+"""The training benchmark's pure parts: strategies, options, statistics, reports, supervision."""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradsync.bench import report, strategies, train
+from gradsync.bench.progress import ProgressBar
+
+# -- strategies --------------------------------------------------------------------------------------
+
+
+def test_baselines_parse_to_their_kinds():
+    assert strategies.parse("ddp").kind == "ddp"
+    assert strategies.parse("torch-fp16").kind == "torch-fp16"
+    powersgd = strategies.parse("torch-powersgd:rank=4")
+    assert powersgd.kind == "torch-powersgd" and powersgd.options == {"rank": 4, "min_rate": 2.0}
+    assert "rank 4" in powersgd.label
+
+
+def test_topk_defaults_to_one_percent_sampled_with_error_feedback():
+    topk = strategies.parse("topk")
+    assert topk.kind == "gradsync"
+    assert dict(topk.config.compressor_args) == {"ratio": 0.01, "mode": "sampled"}
+    assert topk.config.feedback_name == "ef"
+    assert "ef" in topk.label and "0.01" in topk.label
+
+
+def test_gradsync_options_reach_the_config():
+    s = strategies.parse("qsgd:levels=4:ef=ef:warmup=5")
+    assert s.config.compressor_args["levels"] == 4
+    assert s.config.error_feedback == "ef" and s.config.warmup_steps == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("nope", ["unknown strategy 'nope'", "ddp", "topk"]),
+        ("ddp:x=1", ["takes no options"]),
+        ("torch-powersgd:rank=0", ["rank=0", ">= 1"]),
+        ("torch-powersgd:foo=1", ["unknown option", "rank"]),
+        ("topk:ratio", ["not key=value"]),
+        ("topk:ratio=2", ["ratio"]),
+    ],
+)
+def test_bad_strategies_are_refused_with_the_reason(text, words):
+    with pytest.raises(ValueError) as err:
+        strategies.parse(text)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_strategy_lists_refuse_duplicates_and_emptiness():
+    assert [s.kind for s in strategies.parse_list("ddp, topk")] == ["ddp", "gradsync"]
+    with pytest.raises(ValueError, match="twice"):
+        strategies.parse_list("ddp,ddp")
+    with pytest.raises(ValueError, match="no strategy"):
+        strategies.parse_list(" , ")
+
+
+# -- options -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"world_size": 0}, ["world_size=0", ">= 1"]),
+        ({"steps": 5}, ["steps=5", "warm-up"]),
+        ({"tolerance": 1.5}, ["tolerance=1.5"]),
+        ({"strategies": ("ddp", "ddp")}, ["twice"]),
+        ({"strategies": ("ddp", "bogus")}, ["bogus"]),
+        ({"workload": "resnet-9000"}, ["resnet-9000", "gpt-tiny"]),
+    ],
+)
+def test_bad_options_are_refused(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        train.BenchOptions(**kwargs)
+    for word in words:
+        assert word in str(err.value)
+
+
+# -- statistics --------------------------------------------------------------------------------------
+
+
+def _raw(strategy: str, step_s: float, losses: list[float], compression: float | None = None) -> dict:
+    steps = 20
+    evals = [{"step": 5 * i, "wall_s": 5 * i * step_s, "loss": loss} for i, loss in enumerate(losses)]
+    return {
+        "strategy": strategy,
+        "label": strategies.parse(strategy).label,
+        "params": 1000,
+        "samples_per_step": 64,
+        "step_s": [10.0] * 11 + [step_s] * (steps - 11),  # slow warm-up steps must not count
+        "bytes_sent": [4000] * 11 + [400] * (steps - 11),
+        "compression_s": [compression] * steps,
+        "wire_bytes_per_step": None,
+        "compute_s": [0.1, 0.1, 0.1],
+        "evals": evals,
+    }
+
+
+def test_summary_counts_steady_steps_and_finds_time_to_target():
+    options = train.BenchOptions(strategies=("ddp", "topk"), steps=20, tolerance=0.02)
+    raw = [_raw("ddp", 1.0, [3.0, 2.0, 1.5, 1.2, 1.0]), _raw("topk", 0.25, [3.0, 2.1, 1.6, 1.02, 1.01], 0.05)]
+    doc = train.summarize(raw, {"workload": "mlp-wide"}, options)
+    ddp, topk = doc["runs"]
+    assert doc["meta"]["target_loss"] == pytest.approx(1.0 * 1.02)
+    assert ddp["step_median_s"] == 1.0 and topk["step_median_s"] == 0.25
+    assert topk["step_speedup"] == pytest.approx(4.0)
+    assert topk["samples_per_s"] == pytest.approx(64 / 0.25)
+    assert topk["bytes_per_step"] == 400
+    # DDP first reaches 1.02 at its last evaluation (step 20); top-k at step 15 (loss 1.02).
+    assert ddp["time_to_target_s"] == pytest.approx(20.0) and ddp["steps_to_target"] == 20
+    assert topk["time_to_target_s"] == pytest.approx(15 * 0.25) and topk["steps_to_target"] == 15
+    assert topk["time_to_target_speedup"] == pytest.approx(20.0 / 3.75)
+    # compute + compression + communication add up to the median step.
+    parts = topk["breakdown_s"]
+    assert parts["compute"] + parts["compression"] + parts["communication"] == pytest.approx(0.25)
+    assert ddp["breakdown_s"]["compression"] is None
+
+
+def test_a_run_that_never_reaches_the_target_has_no_time_to_target():
+    options = train.BenchOptions(strategies=("ddp", "signsgd"), steps=20)
+    raw = [_raw("ddp", 1.0, [3.0, 2.0, 1.0]), _raw("signsgd", 0.5, [3.0, 2.5, 2.0])]
+    signsgd = train.summarize(raw, {}, options)["runs"][1]
+    assert signsgd["time_to_target_s"] is None and signsgd["time_to_target_speedup"] is None
+
+
+def test_without_ddp_there_is_no_target():
+    options = train.BenchOptions(strategies=("topk",), steps=20)
+    doc = train.summarize([_raw("topk", 0.5, [3.0, 2.0])], {}, options)
+    assert doc["meta"]["target_loss"] is None and "step_speedup" not in doc["runs"][0]
+
+
+def test_p90_is_the_ninetieth_percentile_of_steady_steps():
+    options = train.BenchOptions(strategies=("ddp",), steps=31)
+    raw = _raw("ddp", 1.0, [2.0, 1.0])
+    raw["step_s"] = [9.0] * 11 + [float(i) for i in range(1, 21)]
+    raw["bytes_sent"] = [1] * 31
+    raw["compression_s"] = [None] * 31
+    run = train.summarize([raw], {}, options)["runs"][0]
+    assert run["step_median_s"] == statistics.median(range(1, 21))
+    assert run["step_p90_s"] == 19.0
+
+
+# -- reports -----------------------------------------------------------------------------------------
+
+
+def _document() -> dict:
+    options = train.BenchOptions(workload="mlp-wide", strategies=("ddp", "topk"), steps=20)
+    raw = [_raw("ddp", 1.0, [3.0, 2.0, 1.0]), _raw("topk", 0.25, [3.0, 2.0, 1.01], 0.05)]
+    meta = {
+        "workload": "mlp-wide",
+        "workload_description": "mlp-wide: 1,000 parameters",
+        "options": {"world_size": 2, "steps": 20, "threads": 1},
+        "network": {"kind": "loopback", "description": "loopback"},
+        "machine": {"cores": 2},
+    }
+    return train.summarize(raw, meta, options)
+
+
+def test_table_has_a_row_per_strategy_with_its_numbers():
+    text = report.table(_document())
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 3  # header + 2 strategies
+    assert "DDP fp32" in rows[1] and "1.000" in rows[1] and "1.00x" in rows[1]
+    assert "gradsync topk" in rows[2] and "0.250" in rows[2] and "4.00x" in rows[2]
+    assert "Target: DDP's final eval loss" in text
+
+
+def test_write_produces_json_markdown_and_two_pngs(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    paths = report.write(_document(), tmp_path / "out")
+    names = sorted(p.name for p in paths)
+    assert names == ["metric-vs-time.png", "results.json", "results.md", "step-breakdown.png"]
+    document = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["strategy"] for r in document["runs"]] == ["ddp", "topk"]
+    for png in ("metric-vs-time.png", "step-breakdown.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_bar_logs_a_line_per_tenth_off_a_terminal():
+    stream = io.StringIO()
+    bar = ProgressBar(100, "ddp", stream=stream)
+    for done in range(1, 101):
+        bar.update(done, f"step {done}")
+    lines = stream.getvalue().splitlines()
+    # The first update, then one per tenth done.
+    assert [line.split("] ")[1].split("/")[0] for line in lines] == [
+        "1",
+        *(str(10 * i) for i in range(1, 11)),
+    ]
+    assert lines[-1].startswith("ddp") and lines[-1].endswith("step 100")
+
+
+# -- supervision of the rank processes ---------------------------------------------------------------
+
+
+def _script_ranks(tmp_path: Path, scripts: list[str]):
+    logs = [tmp_path / f"rank{r}.log" for r in range(len(scripts))]
+    argv_for = {r: [sys.executable, "-c", code] for r, code in enumerate(scripts)}
+
+    class ScriptNetwork(train.Network):
+        def command(self, rank, argv):
+            return argv_for[rank]
+
+    return ScriptNetwork("loopback", "test"), logs
+
+
+def test_a_failing_rank_raises_with_its_log_and_no_process_survives(tmp_path: Path):
+    network, logs = _script_ranks(
+        tmp_path,
+        [
+            "import time; time.sleep(60)",
+            "import sys; print('boom: bad things', file=sys.stderr); sys.exit(3)",
+        ],
+    )
+    with pytest.raises(train.BenchError) as err, train._ranks(network, [], 2, 12345, logs) as procs:
+        train._follow(procs, logs, timeout_s=30, bar=None, name="test")
+    assert "rank(s) [1]" in str(err.value) and "boom: bad things" in str(err.value)
+    assert all(p.poll() is not None for p in procs)  # the sleeping rank was killed too
+
+
+def test_a_run_past_its_timeout_is_stopped(tmp_path: Path):
+    network, logs = _script_ranks(tmp_path, ["import time; time.sleep(60)"])
+    with pytest.raises(train.BenchError, match="timeout"), train._ranks(network, [], 1, 12345, logs) as procs:
+        train._follow(procs, logs, timeout_s=1, bar=None, name="test")
+    assert procs[0].poll() is not None
+
+
+# -- command line ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--strategies", "ddp,nope"], ["unknown strategy 'nope'"]),
+        (["--world", "0"], ["world_size=0"]),
+        (["--option", "width"], ["not KEY=VALUE"]),
+        (["--option", "wdith=3"], ["wdith"]),
+        (["--workload", "resnet"], ["resnet", "mlp-wide"]),
+    ],
+)
+def test_bench_train_refuses_bad_arguments_before_starting_anything(argv, words, capsys):
+    from gradsync.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "train", "--workload", "mlp-wide", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err
