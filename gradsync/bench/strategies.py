@@ -45,6 +45,16 @@ class Strategy:
     config: SyncConfig | None = None  # gradsync only
 
     @property
+    def ddp_options(self) -> dict[str, Any]:
+        """DistributedDataParallel arguments this strategy needs besides the common ones.
+
+        torch's PowerSGD hook launches its second allreduce from the first one's completion
+        callback, so with several buckets on gloo two ranks can issue them in different orders
+        and hang (seen here with 4 buckets on 4 ranks). One bucket leaves nothing to interleave.
+        """
+        return {"bucket_cap_mb": 1 << 16} if self.kind == "torch-powersgd" else {}
+
+    @property
     def label(self) -> str:
         """A short human name for tables and plots."""
         if self.kind == "ddp":

@@ -50,8 +50,9 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     workload = workloads.build(spec["workload"], seed=spec["seed"], **spec["workload_options"])
     # Gradients as views into DDP's buckets save two copies of every gradient per step, for every
     # strategy alike; it is DDP's own recommended setting for speed.
-    model = DistributedDataParallel(workload.model(), gradient_as_bucket_view=True)
-    installed = strategies.Installed(strategies.parse(spec["strategy"]), model)
+    strategy = strategies.parse(spec["strategy"])
+    model = DistributedDataParallel(workload.model(), gradient_as_bucket_view=True, **strategy.ddp_options)
+    installed = strategies.Installed(strategy, model)
     optimizer = workload.recommended_optimizer(model.parameters())
     steps, steady_from = spec["steps"], spec["steady_from"]
     tx = _TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
