@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import json
 import sys
@@ -255,10 +254,9 @@ def _key_value(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ValueError(f"--option {item!r} is not KEY=VALUE, e.g. --option batch_size=8")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
+    from .bench.strategies import parse_value
+
+    return key, parse_value(value)
 
 
 def _add_testbed(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:

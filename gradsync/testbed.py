@@ -685,7 +685,7 @@ def probe(testbed: Testbed, megabytes: float = 64, repeats: int = 3, timeout_s: 
     numel = max(1, int(megabytes * 1e6 / 4))
     job = {
         "MASTER_ADDR": testbed.hosts[0].address,
-        "MASTER_PORT": str(_free_port(testbed.hosts[0])),
+        "MASTER_PORT": str(free_port(testbed.hosts[0])),
         "WORLD_SIZE": str(world_size),
         "GSYNC_PROBE_NUMEL": str(numel),
         "GSYNC_PROBE_REPEATS": str(repeats),
@@ -696,7 +696,7 @@ def probe(testbed: Testbed, megabytes: float = 64, repeats: int = 3, timeout_s: 
     return 8 * nbytes * 2 * (world_size - 1) / world_size / statistics.median(seconds)
 
 
-def _free_port(host: Host) -> int:
+def free_port(host: Host) -> int:
     """A TCP port free inside host's namespace (the root namespace's ports say nothing about it)."""
     code = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
     return int(_run(host.wrap([sys.executable, "-c", code])))

@@ -152,8 +152,8 @@ class Installed:
         """Bytes this rank sent in `step` (ring algorithms; no TCP/IP headers). Call once per step."""
         fp32 = allreduce_sent_bytes(4 * self.numel, self.world_size)
         if self.gradsync is not None:
-            rows = [row for row in self.gradsync.stats()["steps"] if row["step"] == step]
-            return rows[0]["bytes_sent"] if rows else 0
+            record = self._gradsync_step(step)
+            return record["bytes_sent"] if record else 0
         if self.strategy.kind == "torch-fp16":
             return allreduce_sent_bytes(2 * self.numel, self.world_size)
         if self.powersgd is not None:
@@ -168,8 +168,14 @@ class Installed:
         """gradsync's own compress + decompress time in `step`; None for hooks that do not time it."""
         if self.gradsync is None:
             return None
-        rows = [row for row in self.gradsync.stats()["steps"] if row["step"] == step]
-        return rows[0]["compress_s"] + rows[0]["decompress_s"] if rows else 0.0
+        record = self._gradsync_step(step)
+        return record["compress_s"] + record["decompress_s"] if record else 0.0
+
+    def _gradsync_step(self, step: int) -> dict[str, Any] | None:
+        """gradsync's sums for `step`, the step just trained (its newest), or None."""
+        assert self.gradsync is not None
+        newest = self.gradsync.stats()["last_step"]
+        return newest if newest is not None and newest["step"] == step else None
 
 
 def _parse_options(text: str, rest: str) -> dict[str, Any]:
@@ -178,11 +184,11 @@ def _parse_options(text: str, rest: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"strategy {text!r}: option {item!r} is not key=value, e.g. topk:ratio=0.01")
-        options[key.strip()] = _value(value.strip())
+        options[key.strip()] = parse_value(value.strip())
     return options
 
 
-def _value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     """Numbers and booleans as such; anything else as a string (mode=sampled, ef=ef21)."""
     try:
         return ast.literal_eval(text)

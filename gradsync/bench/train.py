@@ -223,7 +223,7 @@ def _run_one(
     }
     spec_path = tmp / f"spec{index}.json"
     spec_path.write_text(json.dumps(spec))
-    port = _master_port(network, index)
+    port = _master_port(network)
     argv = [sys.executable, "-m", "gradsync.bench.worker", str(spec_path)]
     logs = [tmp / f"run{index}-rank{rank}.log" for rank in range(options.world_size)]
     with _ranks(network, argv, options.world_size, port, logs) as procs:
@@ -318,14 +318,12 @@ def _failure(name: str, failed: list[int], procs: list[subprocess.Popen], logs: 
     return "\n".join(parts)
 
 
-def _master_port(network: Network, index: int) -> int:
+def _master_port(network: Network) -> int:
     if network.testbed is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    # A testbed host's namespace has its own ports; vary them so a socket of a previous run in
-    # TIME_WAIT cannot be in the way.
-    return 20000 + (os.getpid() * 31 + index) % 20000
+    return testbed.free_port(network.testbed.hosts[0])  # rank 0's namespace has its own ports
 
 
 def _quantile(values: list[float], q: float) -> float:
