@@ -241,9 +241,17 @@ def run_training_bench(
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    with contextlib.ExitStack() as stack:
-        network = train.open_network(stack, use_testbed, options.world_size, bandwidth, latency, probe, say)
-        document = train.run(options, network, progress=progress)
+    from .testbed import TestbedError
+
+    try:
+        with contextlib.ExitStack() as stack:
+            network = train.open_network(
+                stack, use_testbed, options.world_size, bandwidth, latency, probe, say
+            )
+            document = train.run(options, network, progress=progress)
+    except (ValueError, TestbedError, train.BenchError) as err:
+        say(f"gradsync: error: {err}")  # the testbed, if one was built for the run, is gone already
+        return 1
     print(report.table(document))
     for path in report.write(document, out):
         say(f"wrote {path}")

@@ -256,3 +256,17 @@ def test_bench_train_refuses_bad_arguments_before_starting_anything(argv, words,
     err = capsys.readouterr().err
     for word in words:
         assert word in err
+
+
+def test_a_failed_run_ends_with_its_message_and_exit_code_1(monkeypatch, capsys):
+    from gradsync import cli
+
+    def fail(options, network, progress=True):
+        raise train.BenchError("strategy 'ddp': rank(s) [1] exited with code(s) [3]\nboom")
+
+    monkeypatch.setattr(train, "run", fail)
+    options = train.BenchOptions(workload="mlp-wide", strategies=("ddp",), steps=20)
+    code = cli.run_training_bench(options, False, "1gbit", "0.2ms", probe=False, out="unused")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "gradsync: error: strategy 'ddp'" in err and "boom" in err
