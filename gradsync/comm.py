@@ -29,6 +29,16 @@ class Comm(Protocol):
         """Every rank's `tensor` (same shape and dtype on every rank), in rank order."""
         ...
 
+    def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Future[list[torch.Tensor]]:
+        """Send 1-D `parts[j]` to rank j; the future holds what each rank sent here, in rank order
+        (`recv_numels[j]` elements from rank j). Every part has one dtype; sizes may differ."""
+        ...
+
+    def sendrecv(self, peer: int, send: torch.Tensor, recv_numel: int) -> torch.Tensor:
+        """Send 1-D `send` to `peer` and receive `recv_numel` elements of its dtype from it. Blocks.
+        Either side may be empty: a one-way send or receive."""
+        ...
+
 
 class TorchComm:
     """Comm over a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
@@ -47,6 +57,26 @@ class TorchComm:
         work = dist.all_gather(gathered, tensor, group=self.group, async_op=True)
         return work.get_future().then(lambda _: gathered)
 
+    def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Future[list[torch.Tensor]]:
+        # One all_to_all_single over the concatenation, cut by split sizes: gloo has no list form.
+        send = torch.cat(parts)
+        recv = send.new_empty(sum(recv_numels))
+        send_numels = [part.numel() for part in parts]
+        work = dist.all_to_all_single(recv, send, recv_numels, send_numels, group=self.group, async_op=True)
+        return work.get_future().then(lambda _: list(recv.split(recv_numels)))
+
+    def sendrecv(self, peer: int, send: torch.Tensor, recv_numel: int) -> torch.Tensor:
+        recv = send.new_empty(recv_numel)
+        peer = dist.get_global_rank(self.group, peer) if self.group is not None else peer
+        ops = []
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, peer, self.group))
+        if recv_numel:
+            ops.append(dist.P2POp(dist.irecv, recv, peer, self.group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        return recv
+
 
 class LocalComm:
     """A world of one: every collective is the identity, completed at once."""
@@ -59,6 +89,12 @@ class LocalComm:
 
     def allgather(self, tensor: torch.Tensor) -> Future[list[torch.Tensor]]:
         return completed([tensor])
+
+    def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Future[list[torch.Tensor]]:
+        return completed(list(parts))
+
+    def sendrecv(self, peer: int, send: torch.Tensor, recv_numel: int) -> torch.Tensor:
+        raise ValueError(f"a world of one has no peer {peer} to exchange with")
 
 
 def completed(value: Any) -> Future:
