@@ -40,6 +40,16 @@ class Comm(Protocol):
         ...
 
 
+def allreduce_sent_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a bandwidth-optimal (ring) allreduce of `nbytes`: 2(n-1)/n m."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+def allgather_sent_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring allgather of `nbytes` per rank: (n-1) m."""
+    return (world_size - 1) * nbytes
+
+
 class TorchComm:
     """Comm over a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from . import compress, feedback
+from . import compress, feedback, sparse
 from .compress.base import check_int
 
 _SEED_BOUND = 2**63 - 1
@@ -40,6 +40,13 @@ class SyncConfig:
     # Root of every random stream: shared streams (randk, powersgd) are seeded per bucket,
     # local ones (qsgd, terngrad, natural, dgc, sampled topk) per bucket and rank.
     seed: int = 0
+    # How sparse data is exchanged (gradsync.sparse): sparse gradients (nn.Embedding(sparse=True)),
+    # the payloads of sparsifying compressors (topk, dgc, threshold) and uncompressed buckets.
+    # "auto": per tensor, the scheme of least predicted time from measured density, overlap and
+    # densification; or one of "dense", "agsparse", "balanced", "hierarchical" for every tensor.
+    sparse_scheme: str = "auto"
+    # Steps between two measurements of a tensor by the "auto" selector.
+    sparse_every: int = 100
 
     def __post_init__(self) -> None:
         if "seed" in self.compressor_args:
@@ -56,6 +63,13 @@ class SyncConfig:
         check_int("warmup_steps", self.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
         check_int("min_compress_numel", self.min_compress_numel, 0, why="a count of elements")
         check_int("seed", self.seed, 0, _SEED_BOUND, why="a non-negative integer")
+        schemes = ("auto", *sparse.names())
+        if self.sparse_scheme not in schemes:
+            raise ValueError(
+                f"sparse_scheme={self.sparse_scheme!r} is not a sparse scheme; choose one of "
+                f"{', '.join(schemes)} ('auto' lets gradsync pick per tensor)"
+            )
+        check_int("sparse_every", self.sparse_every, 1, why="steps between the selector's measurements")
 
     @property
     def feedback_name(self) -> str:

@@ -6,6 +6,7 @@ No `from __future__ import annotations` here: DDP checks the hook's annotations 
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,11 +16,13 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from . import exchange
-from .comm import Comm, TorchComm, allgather_object
+from .comm import Comm, TorchComm, allgather_object, allreduce_sent_bytes, completed
 from .compress import Compressor, lookup
 from .config import SyncConfig
 from .feedback import Feedback
 from .regroup import Regroup
+from .sparse.router import AUTO, Router
+from .sparse.rows import SparseRows
 from .trace import BucketRecord, Trace
 
 log = logging.getLogger("gradsync")
@@ -35,6 +38,20 @@ class CompressionPoint:
 
     def state_dict(self) -> dict[str, Any]:
         return {"numel": self.numel, "codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
+
+
+@dataclass(eq=False)
+class _Segment:
+    """One tensor of a bucket, as a [num_rows, width] table at `offset` in the flat buffer."""
+
+    key: str  # the router's name for it: "param 3", or "bucket 1" for a whole bucket
+    offset: int
+    num_rows: int
+    width: int
+    sparse: bool = True  # through gradsync.sparse, else in a plain allreduce
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset : self.offset + self.num_rows * self.width].view(self.num_rows, self.width)
 
 
 class SyncState:
@@ -59,6 +76,10 @@ class SyncState:
         # compressed steps: a restored state needs them when DDP lays out buckets otherwise.
         self.layout: dict[int, tuple[int, ...]] = {}
         self._param_index: dict[int, int] | None = None  # id(parameter) -> position; by register()
+        self._param_shapes: list[torch.Size] | None = None  # by position; by register()
+        # How sparse rows are exchanged (sparse gradients, sparsifier payloads, sparse tensors of
+        # uncompressed buckets), and the "auto" selector's choices.
+        self.sparse = Router(config.sparse_scheme, config.sparse_every, config.seed)
         self._layout_checked: set[int] = set()  # buckets seen laid out as in `layout`
         self._regroup: Regroup | None = None  # this step's regrouping, while DDP's layout differs
         self._local_steps = 0  # steps this process's hook has seen: DDP rebuilds buckets after one
@@ -77,11 +98,7 @@ class SyncState:
         world size in place and must stay untouched until the future completes.
         """
         comm = self._comm()
-        if not self._ranks_agree:
-            self._check_ranks_agree(buffer.device)
-        step = self.step
-        if is_last:
-            self.step += 1
+        step = self._begin(is_last, buffer.device)
         buffer.div_(comm.world_size)  # before compressing: low-precision sums cannot overflow
         compress = (
             may_compress
@@ -89,6 +106,9 @@ class SyncState:
             and buffer.numel() >= self.config.min_compress_numel
         )
         if not compress:
+            segments = self._sparse_segments(buffer, bucket_index, step, may_compress)
+            if segments is not None:
+                return completed(self._sync_segments(buffer, bucket_index, step, segments))
             future = exchange.start(None, buffer, comm)
             return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, None))
         point = self._point(bucket_index, buffer)
@@ -101,12 +121,47 @@ class SyncState:
         # `buffer` afterwards: what was compressed is another tensor, and feedback's update does
         # not read the gradient.
         into_buffer = p is not buffer and not type(point.feedback).reads_gradient
-        future = exchange.start(point.codec, p, comm, finite, out=buffer if into_buffer else None)
+        key = f"bucket {bucket_index}"
+
+        def route(rows: SparseRows, finite: bool) -> Any:
+            return self.sparse.sync(key, rows, comm, step, finite)
+
+        out = buffer if into_buffer else None
+        future = exchange.start(point.codec, p, comm, finite, out=out, sparse=route)
         return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, (point, p)))
 
+    def sync_rows(self, grad: torch.Tensor, key: str, is_last: bool) -> Future[torch.Tensor]:
+        """Average a sparse COO gradient (nn.Embedding(sparse=True)) over the ranks through
+        gradsync.sparse; the future holds the coalesced sparse average. Never compressed."""
+        comm = self._comm()
+        step = self._begin(is_last, grad.device)
+        clock = time.perf_counter()
+        rows = SparseRows.from_coo(grad)
+        rows = rows.like(rows.indices, rows.values / comm.world_size)
+        result = self.sparse.sync(key, rows, comm, step)
+        total = result.total.rows().to_coo(grad.shape)
+        numel = grad.numel()
+        self.trace.record(
+            BucketRecord(
+                step=step,
+                bucket=-1,
+                numel=numel,
+                compressed=False,
+                payload_bytes=rows.nnz * (4 + rows.width * rows.values.element_size()),
+                bytes_sent=result.bytes_sent,
+                bytes_fp32=allreduce_sent_bytes(4 * numel, comm.world_size),
+                compress_s=0.0,
+                communicate_s=time.perf_counter() - clock,
+                decompress_s=0.0,
+            )
+        )
+        return completed(total)
+
     def stats(self) -> dict[str, Any]:
-        """Bytes and seconds per step and in total; see Trace.stats."""
-        return {"step": self.step, **self.trace.stats()}
+        """Bytes and seconds per step and in total (see Trace.stats), and under "sparse" each
+        sparse-synced tensor's scheme, density, overlap, densification and imbalance (see
+        gradsync.sparse.router.Router.stats)."""
+        return {"step": self.step, **self.trace.stats(), "sparse": self.sparse.stats()}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the exact same trajectory."""
@@ -115,6 +170,7 @@ class SyncState:
             "step": self.step,
             "points": {index: point.state_dict() for index, point in self.points.items()},
             "layout": {index: list(params) for index, params in self.layout.items()},
+            "sparse": self.sparse.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -132,6 +188,8 @@ class SyncState:
             point.feedback.load_state_dict(saved_point["feedback"])
             self.points[int(index)] = point
         self.layout = {int(index): tuple(params) for index, params in state.get("layout", {}).items()}
+        if "sparse" in state:
+            self.sparse.load_state_dict(state["sparse"])
         self._layout_checked = set()
         self._regroup = None
 
@@ -148,6 +206,113 @@ class SyncState:
                 "gradsync.register(ddp_model, config) and load_state_dict(old_state.state_dict())"
             )
         return self.comm
+
+    def _begin(self, is_last: bool, device: torch.device) -> int:
+        """The step this bucket belongs to; counts the step once its last bucket arrives."""
+        if not self._ranks_agree:
+            self._check_ranks_agree(device)
+        step = self.step
+        if is_last:
+            self.step += 1
+        return step
+
+    def _sparse_segments(
+        self, buffer: torch.Tensor, bucket_index: int, step: int, may_compress: bool
+    ) -> list[_Segment] | None:
+        """The tensors of an uncompressed bucket and whether each goes through gradsync.sparse;
+        None where the whole bucket is one plain allreduce.
+
+        A forced scheme takes every tensor. "auto" measures each tensor's density on its
+        decision steps: those where a sparse scheme could beat dense are gathered and decided by
+        the selector (on its next measurement they are looked at again); the others are dense.
+        """
+        scheme = self.config.sparse_scheme
+        if scheme == "dense":
+            return None
+        segments = self._segments(buffer, bucket_index, may_compress)
+        if scheme != AUTO:
+            return segments
+        if not may_compress:
+            return None  # DDP's first-iteration buckets: no layout to key choices by
+        comm = self._comm()
+        selector = self.sparse.selector
+        due = [seg for seg in segments if selector.due(seg.key, step)]
+        if due:
+            flat = buffer.view(-1)
+            counts = torch.tensor(
+                [float(seg.rows(flat).ne(0).any(dim=1).sum()) for seg in due], dtype=torch.float64
+            )
+            mean_rows = comm.allreduce(counts.to(buffer.device)).wait().cpu() / comm.world_size
+            for seg, rows in zip(due, mean_rows.tolist(), strict=True):
+                table = seg.rows(flat)
+                like = SparseRows(torch.empty(0, dtype=torch.int64), table[:0], table.shape[0])
+                seg.sparse = not self.sparse.choose_dense(
+                    seg.key, rows / table.shape[0], like, comm.world_size, step
+                )
+        for seg in segments:
+            if seg not in due:
+                seg.sparse = selector.choices[seg.key].scheme != "dense"
+        return segments if any(seg.sparse for seg in segments) else None
+
+    def _segments(self, buffer: torch.Tensor, bucket_index: int, may_compress: bool) -> list[_Segment]:
+        """The bucket's parameters as tables of rows (a parameter's first dimension), in buffer
+        order; the whole bucket as a column where its parameters are not known."""
+        numel = buffer.numel()
+        params = self.layout.get(bucket_index) if may_compress and self._param_shapes else None
+        if params is not None:
+            shapes = [self._param_shapes[param] for param in params]  # type: ignore[index]
+            if sum(shape.numel() for shape in shapes) == numel:
+                segments, offset = [], 0
+                for param, shape in zip(params, shapes, strict=True):
+                    num_rows = shape[0] if len(shape) else 1
+                    segments.append(
+                        _Segment(f"param {param}", offset, num_rows, shape.numel() // max(num_rows, 1))
+                    )
+                    offset += shape.numel()
+                return segments
+        return [_Segment(f"bucket {bucket_index}", 0, numel, 1)]
+
+    def _sync_segments(
+        self, buffer: torch.Tensor, bucket_index: int, step: int, segments: list[_Segment]
+    ) -> torch.Tensor:
+        """Consecutive dense tensors by one allreduce each run, sparse ones through the router."""
+        comm = self._comm()
+        clock = time.perf_counter()
+        flat = buffer.view(-1)
+        pending, sent = [], 0
+        run_start = None  # where the current run of dense tensors began
+        for seg in [*segments, None]:
+            if seg is not None and not seg.sparse:
+                run_start = seg.offset if run_start is None else run_start
+                continue
+            if run_start is not None:
+                run = flat[run_start : flat.numel() if seg is None else seg.offset]
+                pending.append(comm.allreduce(run))
+                sent += allreduce_sent_bytes(run.nbytes, comm.world_size)
+                run_start = None
+            if seg is not None:
+                table = seg.rows(flat)
+                result = self.sparse.sync(seg.key, SparseRows.from_dense(table), comm, step)
+                result.total.into(table)
+                sent += result.bytes_sent
+        for future in pending:
+            future.wait()
+        numel = buffer.numel()
+        self.trace.record(
+            BucketRecord(
+                step=step,
+                bucket=bucket_index,
+                numel=numel,
+                compressed=False,
+                payload_bytes=4 * numel,
+                bytes_sent=sent,
+                bytes_fp32=allreduce_sent_bytes(4 * numel, comm.world_size),
+                compress_s=0.0,
+                communicate_s=time.perf_counter() - clock,
+                decompress_s=0.0,
+            )
+        )
+        return buffer
 
     def _finish(
         self,
@@ -223,6 +388,13 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     first_iteration = state._local_steps == 0  # DDP's initial buckets; rebuilt after this step
     if is_last:
         state._local_steps += 1
+    buffer = bucket.buffer()
+    if buffer.is_sparse:  # a sparse gradient (nn.Embedding(sparse=True)) has a bucket of its own
+        if is_last:
+            state._regroup = None  # a regrouped step's dense groups all arrived before it
+        (param,) = bucket.parameters()
+        key = f"param {state._param_index[id(param)]}" if state._param_index else f"bucket {index}"
+        return state.sync_rows(buffer, key, is_last)
     if state._param_index is None or (
         state._regroup is None and not first_iteration and index in state._layout_checked
     ):
@@ -281,6 +453,7 @@ def register(model: DistributedDataParallel, config: SyncConfig | None = None) -
         raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
     state = SyncState(config, TorchComm(model.process_group))
     state._param_index = {id(p): i for i, p in enumerate(model.parameters())}
+    state._param_shapes = [p.shape for p in model.parameters()]
     model.register_comm_hook(state, hook)
     log.info("gradsync registered on rank %d of %d: %s", state.comm.rank, state.comm.world_size, config)
     return state

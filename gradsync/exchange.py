@@ -8,6 +8,9 @@ The scheme follows the compressor's declared capabilities:
   vote       majority-vote codecs (signSGD, Signum): each rank's sign bits become 0/1 votes in
              fields of ceil(log2(n + 1)) bits packed into int32 words, one int32 allreduce sums
              every field at once, and the result is sign(2 * votes - n): +1, -1 or 0 on a tie.
+  sparse     codecs whose payload is sparse rows (top-k, DGC, threshold), when the caller passes
+             a `sparse` route: the rows go to gradsync.sparse, whose scheme (agsparse, Zen's
+             balanced, hierarchical, dense) the route picks.
   plain      no codec: the tensor itself is allreduced (warm-up steps, small buckets).
 
 Every rank decodes the payloads in rank order into a zeroed tensor (fresh, or the caller's
@@ -30,12 +33,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.futures import Future
 
-from .comm import Comm, allgather_sizes, completed
+from .comm import Comm, allgather_sent_bytes, allgather_sizes, allreduce_sent_bytes, completed
 from .compress import Compressor, Payload
-from .wire import field_bits, pack_fields, unpack_bits, unpack_fields
+from .sparse.result import SparseResult
+from .sparse.rows import SparseRows
+from .wire import decode_indices, field_bits, pack_fields, unpack_bits, unpack_fields
 
 Local = Callable[[], torch.Tensor]
 RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
+SparseRoute = Callable[[SparseRows, bool], SparseResult]  # (this rank's rows, finite) -> the sum
 
 
 @dataclass
@@ -69,6 +75,7 @@ def start(
     comm: Comm,
     finite: bool = True,
     out: torch.Tensor | None = None,
+    sparse: SparseRoute | None = None,
 ) -> Future[Exchanged]:
     """Compress `x`, launch its exchange and return a future of the result.
 
@@ -77,6 +84,8 @@ def start(
     `codec=None` allreduces `x` itself, in place. `out` (shaped like `x`, sharing no memory with
     it) is where the allgather scheme decodes the sum, which is then `out` itself, instead of a
     fresh tensor; the other schemes take the sum from the collective's own buffer and ignore it.
+    `sparse` exchanges the payloads of sparse-row codecs (declared `sparse_rows`) instead of the
+    allgather; the sum is then written into `out` too.
     """
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
@@ -105,17 +114,9 @@ def start(
         return _vote(payload, x, comm, finite, clock, local, subtract_local)
     if type(codec).summable:
         return _allreduce(payload, comm, finite, clock, decode_summed)
+    if type(codec).sparse_rows and sparse is not None:
+        return _sparse(payload, x, finite, clock, local, subtract_local, out, sparse)
     return _allgather(codec, payload, ctx, x, comm, finite, clock, local, subtract_local, out)
-
-
-def allreduce_sent_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes each rank sends in a bandwidth-optimal (ring) allreduce of `nbytes`: 2(n-1)/n m."""
-    return 2 * (world_size - 1) * nbytes // world_size
-
-
-def allgather_sent_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring allgather of `nbytes` per rank: (n-1) m."""
-    return (world_size - 1) * nbytes
 
 
 def _plain(x: torch.Tensor, comm: Comm, clock: _Clock) -> Future[Exchanged]:
@@ -226,6 +227,32 @@ def _allgather(
         return Exchanged(total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
 
     return comm.allgather(frame).then(done)
+
+
+def _sparse(
+    payload: Payload,
+    like: torch.Tensor,
+    finite: bool,
+    clock: _Clock,
+    local: Local,
+    subtract_local: RemoveLocal,
+    out: torch.Tensor | None,
+    route: SparseRoute,
+) -> Future[Exchanged]:
+    """The payload as rows of width 1 through gradsync.sparse; blocks until the sum is here."""
+    encoded, values = payload
+    numel = like.numel()
+    rows = SparseRows(decode_indices(encoded, numel, values.numel()), values.view(-1, 1), numel)
+    result = route(rows, finite)
+    clock.lap("communicate")
+    payload_bytes = encoded.nbytes + values.nbytes
+    if not result.finite:
+        return completed(Exchanged(None, _not_finite, False, payload_bytes, result.bytes_sent, clock.seconds))
+    total = result.total.into(torch.empty_like(like) if out is None else out)
+    clock.lap("decompress")
+    return completed(
+        Exchanged(total, local, True, payload_bytes, result.bytes_sent, clock.seconds, subtract_local)
+    )
 
 
 def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, clock: _Clock) -> Future[Exchanged]:

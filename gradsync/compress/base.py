@@ -31,6 +31,9 @@ class Compressor:
                  for good (top-k, sign, ...); casts and unbiased codecs are not.
       owns_memory  keeps what it did not send in its own state (DGC's accumulator): the hook's
                  error feedback would count it twice, so it must be "none".
+      sparse_rows  the payload is (encoded indices, values) as made by compress.sparse's
+                 sparse_payload: entries of the tensor, which gradsync.sparse can exchange as
+                 rows of width 1 by any of its schemes (top-k, DGC, threshold).
       majority_vote  the payload is one sign bit per element, and ranks combine by majority
                  vote, sign(sum of signs), instead of a sum (signSGD, Signum). The result is a
                  unit step per element, not an estimate of the gradient, so error feedback
@@ -48,6 +51,7 @@ class Compressor:
     needs_feedback: ClassVar[bool] = False
     owns_memory: ClassVar[bool] = False
     majority_vote: ClassVar[bool] = False
+    sparse_rows: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")

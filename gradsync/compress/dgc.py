@@ -53,6 +53,7 @@ class DGC(SeededCompressor):
 
     randomness = "local"
     owns_memory = True
+    sparse_rows = True
 
     def __init__(
         self,

@@ -25,6 +25,8 @@ _MIN_SAMPLE = 256
 class Sparsifier(Compressor):
     """Base of codecs that send some entries and their positions; subclasses choose which."""
 
+    sparse_rows = True
+
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)
         indices = self.select(flat)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm, allgather_sizes
-from ..exchange import allgather_sent_bytes
+from ..comm import Comm, allgather_sent_bytes, allgather_sizes
 from .result import SparseResult, Summed
 from .rows import SparseRows, frame_nbytes, from_frame, sum_rows, to_frame
 
@@ -18,6 +17,12 @@ SIZE_NBYTES = 16  # the (rows, flag) pair of int64 every rank announces first
 
 
 def agsparse(rows: SparseRows, comm: Comm, finite: bool = True) -> SparseResult:
+    parts, finite, sent = gather(rows, comm, finite)
+    return SparseResult(Summed(rows.num_rows, parts=[sum_rows(parts)]), "agsparse", finite, sent)
+
+
+def gather(rows: SparseRows, comm: Comm, finite: bool = True) -> tuple[list[SparseRows], bool, int]:
+    """Every rank's rows in rank order, whether every rank's input was finite, and the bytes sent."""
     n = comm.world_size
     sizes = allgather_sizes(comm, [rows.nnz, int(not finite)], rows.values.device)
     # Frames are padded to the longest: allgather moves equal sizes.
@@ -28,5 +33,4 @@ def agsparse(rows: SparseRows, comm: Comm, finite: bool = True) -> SparseResult:
     gathered = comm.allgather(frame).wait()
     parts = [from_frame(rows, data, count) for data, (count, _) in zip(gathered, sizes, strict=True)]
     sent = allgather_sent_bytes(SIZE_NBYTES, n) + allgather_sent_bytes(frame.numel(), n)
-    finite = all(flag == 0 for _, flag in sizes)
-    return SparseResult(Summed(rows.num_rows, parts=[sum_rows(parts)]), "agsparse", finite, sent)
+    return parts, all(flag == 0 for _, flag in sizes), sent

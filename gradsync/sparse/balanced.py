@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm, allgather_sizes
-from ..exchange import allgather_sent_bytes
+from ..comm import Comm, allgather_sent_bytes, allgather_sizes
 from .hashing import HashPartition, Partition, decode_owned, encode_owned, imbalance, pull_index_nbytes
 from .result import SparseResult, Summed
 from .rows import SparseRows, sum_rows, value_bytes, values_from_bytes

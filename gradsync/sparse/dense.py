@@ -6,8 +6,7 @@ sparse scheme must match, and the winner once the summed rows cover most of the 
 
 from __future__ import annotations
 
-from ..comm import Comm
-from ..exchange import allreduce_sent_bytes
+from ..comm import Comm, allreduce_sent_bytes
 from .result import SparseResult, Summed
 from .rows import SparseRows
 

@@ -142,7 +142,9 @@ def decode_owned(encoded: torch.Tensor, owned: torch.Tensor, count: int) -> torc
     else:
         indices = owned[unpack_bits(encoded, 1, owned.numel()).nonzero().squeeze(1)]
     if indices.numel() != count:
-        raise ValueError(f"owner's index encoding names {indices.numel()} rows, but {count} values came with it")
+        raise ValueError(
+            f"owner's index encoding names {indices.numel()} rows, but {count} values came with it"
+        )
     return indices
 
 

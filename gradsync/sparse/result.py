@@ -14,7 +14,9 @@ class Summed:
     disjoint ascending parts (one per owner for `balanced`, one for the others). Converting only
     when asked saves the sort that merging parts costs where the caller wants a dense tensor."""
 
-    def __init__(self, num_rows: int, dense: torch.Tensor | None = None, parts: list[SparseRows] | None = None):
+    def __init__(
+        self, num_rows: int, dense: torch.Tensor | None = None, parts: list[SparseRows] | None = None
+    ):
         if (dense is None) == (parts is None):
             raise ValueError("Summed takes either a dense tensor or sparse parts")
         self.num_rows = num_rows

@@ -35,7 +35,9 @@ class SparseRows:
 
     def __post_init__(self) -> None:
         if self.indices.dtype != torch.int64 or self.indices.dim() != 1:
-            raise ValueError(f"indices must be a 1-D int64 tensor, got {self.indices.dtype} {tuple(self.indices.shape)}")
+            raise ValueError(
+                f"indices must be a 1-D int64 tensor, got {self.indices.dtype} {tuple(self.indices.shape)}"
+            )
         if self.values.dim() != 2 or self.values.shape[0] != self.indices.numel():
             raise ValueError(
                 f"values must be 2-D with one row per index ({self.indices.numel()}), got "
@@ -107,7 +109,9 @@ class SparseRows:
     def to_coo(self, shape: Sequence[int]) -> torch.Tensor:
         """As a coalesced torch sparse COO tensor of `shape` (rows first)."""
         values = self.values.reshape(self.nnz, *shape[1:])
-        return torch.sparse_coo_tensor(self.indices.view(1, -1), values, tuple(shape), is_coalesced=True)
+        return torch.sparse_coo_tensor(
+            self.indices.view(1, -1), values, tuple(shape), is_coalesced=True, check_invariants=False
+        )
 
     def like(self, indices: torch.Tensor, values: torch.Tensor) -> SparseRows:
         """Other rows of the same tensor."""
@@ -125,7 +129,11 @@ def sum_rows(parts: Sequence[SparseRows]) -> SparseRows:
     if len(parts) == 1:
         return first
     for part in parts[1:]:
-        if part.num_rows != first.num_rows or part.width != first.width or part.values.dtype != first.values.dtype:
+        if (
+            part.num_rows != first.num_rows
+            or part.width != first.width
+            or part.values.dtype != first.values.dtype
+        ):
             raise ValueError(
                 f"cannot sum rows of [{part.num_rows}, {part.width}] {part.values.dtype} with rows of "
                 f"[{first.num_rows}, {first.width}] {first.values.dtype}: the ranks passed different tensors"

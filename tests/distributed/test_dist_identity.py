@@ -3,6 +3,10 @@
 gradsync divides each bucket by the world size before the exchange, as DDP does (DDP multiplies
 by 1/world_size, which is the same bits for a power of two), and sums with one allreduce of the
 same size; so the parameters after training must be torch.equal, not merely close.
+
+sparse_scheme="dense" keeps the warm-up steps on that one allreduce: "auto" may send a tensor
+with many zero rows (a ReLU layer's dead units) through a sparse scheme, exact but summed in
+another order, so equal only to float rounding.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ def identity_and_plain_ddp(rank: int, world_size: int) -> dict:
         model = ddp(make_mlp(seed=0), bucket_cap_mb=BUCKET_CAP_MB)
         state = None
         if error_feedback is not None:
-            state = gradsync.register(model, config(compressor="identity", error_feedback=error_feedback))
+            state = gradsync.register(
+                model, config(compressor="identity", error_feedback=error_feedback, sparse_scheme="dense")
+            )
         train(model, sgd(model), rank, range(STEPS))
         out[label] = flat_params(model)
         if state is not None:

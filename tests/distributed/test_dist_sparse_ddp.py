@@ -1,0 +1,170 @@
+"""gradsync.sparse through the DDP hook, on 3 real gloo ranks (not a power of two: hierarchical
+folds a rank in), against plain DDP as the oracle.
+
+- A model with an nn.Embedding, its gradient sparse (COO, a bucket of its own) or dense (zero
+  outside the batch's rows, sharing a bucket with dense layers), trains to the same parameters as
+  plain DDP under every sparse_scheme: forced schemes apply to every tensor and stay exact, and
+  "auto" routes the embedding through a sparse scheme while the dense layers stay dense.
+- A top-k payload exchanged by each scheme gives the same averaged gradient; agsparse and
+  balanced add every index's contributions in rank order, so they agree bit for bit.
+- stats() reports what each tensor was exchanged by, with its density, overlap, densification
+  and balanced's push and pull imbalance; the selector's choices survive state_dict().
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import gradsync
+from gradsync import sparse
+
+WORLD = 3
+SCHEMES = ["auto", *sparse.names()]
+VOCAB, DIM, CONTEXT, CLASSES = 512, 8, 4, 16
+STEPS = 4
+
+
+class EmbedNet(nn.Module):
+    def __init__(self, sparse_grad: bool) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, DIM, sparse=sparse_grad)
+        self.head = nn.Linear(CONTEXT * DIM, CLASSES)
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(words).flatten(1))
+
+
+def make(sparse_grad: bool) -> nn.Module:
+    torch.manual_seed(0)  # the test's own process: the same initial model on every rank
+    return EmbedNet(sparse_grad)
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    # Zipf-like words: a few frequent ones shared by ranks, a tail that is not.
+    words = (torch.rand(8, CONTEXT, generator=generator) ** 3 * VOCAB).long()
+    return words, torch.randint(CLASSES, (8,), generator=generator)
+
+
+def train(rank: int, sparse_grad: bool, config: gradsync.SyncConfig | None) -> tuple[list, dict | None]:
+    model = make(sparse_grad)
+    ddp = DistributedDataParallel(model)
+    state = gradsync.register(ddp, config) if config is not None else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(STEPS):
+        words, targets = batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(words), targets).backward()
+        optimizer.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, None if state is None else {"stats": state.stats(), "saved": state.state_dict()}
+
+
+def training_worker(rank: int, world_size: int) -> dict:
+    out = {}
+    for sparse_grad in (True, False):
+        out[sparse_grad, "ddp"] = train(rank, sparse_grad, None)
+        for scheme in SCHEMES:
+            config = gradsync.SyncConfig(sparse_scheme=scheme, warmup_steps=100, sparse_every=2)
+            out[sparse_grad, scheme] = train(rank, sparse_grad, config)
+    return out
+
+
+def topk_worker(rank: int, world_size: int) -> dict:
+    out = {}
+    for scheme in SCHEMES:
+        model = make(False)
+        ddp = DistributedDataParallel(model)
+        config = gradsync.SyncConfig(
+            compressor="topk",
+            compressor_args={"ratio": 0.05},
+            warmup_steps=2,
+            min_compress_numel=0,
+            sparse_scheme=scheme,
+        )
+        state = gradsync.register(ddp, config)
+        for step in range(3):  # the last step compresses
+            words, targets = batch(rank, step)
+            model.zero_grad()
+            nn.functional.cross_entropy(ddp(words), targets).backward()
+        out[scheme] = ([p.grad.clone() for p in model.parameters()], state.stats()["sparse"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[dict]:
+    return run_ranks(training_worker, WORLD, timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def topk() -> list[dict]:
+    return run_ranks(topk_worker, WORLD, timeout_s=120)
+
+
+@pytest.mark.parametrize("sparse_grad", [True, False], ids=["coo-grad", "dense-grad"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_training_through_a_sparse_scheme_matches_plain_ddp(
+    trained: list[dict], sparse_grad: bool, scheme: str
+):
+    for rank_out in trained:
+        reference, _ = rank_out[sparse_grad, "ddp"]
+        params, _ = rank_out[sparse_grad, scheme]
+        for got, expected in zip(params, reference, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    first = trained[0][sparse_grad, scheme][0]
+    for rank_out in trained[1:]:  # every rank applied bit-identical averages
+        for a, b in zip(first, rank_out[sparse_grad, scheme][0], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_forced_scheme_exchanges_every_tensor_and_reports_balance(trained: list[dict]) -> None:
+    stats = trained[0][False, "balanced"][1]["stats"]["sparse"]
+    # The embedding, the head's weight and bias; and the first iteration's whole bucket, exchanged
+    # before DDP rebuilt its buckets, when the hook does not know their parameters yet.
+    assert set(stats) == {"param 0", "param 1", "param 2", "bucket 0"}
+    for row in stats.values():
+        assert row["exchanged_by"] == "balanced"
+        assert row["push_imbalance"] >= 1 and row["pull_imbalance"] >= 1
+        assert row["rows"] <= row["union_rows"] <= row["num_rows"]
+
+
+@pytest.mark.parametrize("sparse_grad", [True, False], ids=["coo-grad", "dense-grad"])
+def test_auto_sends_the_embedding_sparse_and_dense_layers_dense(
+    trained: list[dict], sparse_grad: bool
+) -> None:
+    stats = trained[0][sparse_grad, "auto"][1]["stats"]["sparse"]
+    # Only the embedding went through gradsync.sparse; the head's dense gradients were allreduced.
+    assert set(stats) == {"param 0"}
+    embedding = stats["param 0"]
+    assert embedding["scheme"] != "dense"
+    assert 0 < embedding["density"] < 0.2
+    assert 0 <= embedding["overlap"] <= 1
+    assert 1 <= embedding["densification"] <= WORLD
+    assert set(embedding["predicted_s"]) == set(sparse.names())
+    assert min(embedding["predicted_s"], key=embedding["predicted_s"].get) == embedding["scheme"]
+
+
+def test_the_selector_choices_are_saved_and_restored(trained: list[dict]) -> None:
+    saved = trained[0][True, "auto"][1]["saved"]
+    assert saved["sparse"]["choices"]["param 0"][1] == STEPS - 2  # decided every sparse_every=2 steps
+    config = gradsync.SyncConfig(sparse_scheme="auto", warmup_steps=100, sparse_every=2)
+    state = gradsync.SyncState(config, None)  # no process group: only the state is restored
+    state.load_state_dict(saved)
+    assert state.state_dict()["sparse"] == saved["sparse"]
+
+
+def test_a_topk_payload_is_averaged_alike_by_every_scheme(topk: list[dict]) -> None:
+    for rank_out in topk:
+        reference, _ = rank_out["agsparse"]
+        for scheme in SCHEMES:
+            grads, stats = rank_out[scheme]
+            assert stats["bucket 0"]["rows"] > 0
+            for got, expected in zip(grads, reference, strict=True):
+                if scheme in ("balanced", "auto"):  # rank-order sums, as agsparse's
+                    assert torch.equal(got, expected)
+                else:
+                    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
