@@ -12,6 +12,7 @@ from . import compress, feedback, sparse
 from .compress.base import check_int
 
 _SEED_BOUND = 2**63 - 1
+NO_COMPRESSION = "none"
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class SyncConfig:
         ...                  error_feedback="ef", warmup_steps=10)
     """
 
-    # Compressor name from gradsync.compress.names() and its parameters (see `gradsync list`).
+    # Compressor name from gradsync.compress.names() and its parameters (see `gradsync list`), or
+    # "none": no compression, every bucket exchanged as it is (sparse tensors by sparse_scheme).
     compressor: str = "topk"
     compressor_args: Mapping[str, Any] = field(default_factory=dict)
     # Error feedback: "none", "ef" (residual), "ef21" or "econtrol"; and its parameters
@@ -57,9 +59,12 @@ class SyncConfig:
         # Frozen copies, so that a config cannot change after it was validated.
         object.__setattr__(self, "compressor_args", ReadOnlyDict(self.compressor_args))
         object.__setattr__(self, "error_feedback_args", ReadOnlyDict(self.error_feedback_args))
-        codec = compress.build(self.compressor, **self.compressor_args)
-        self._check_feedback(type(codec))
-        feedback.build(self.feedback_name, **self.error_feedback_args)
+        if self.compressor == NO_COMPRESSION:
+            self._check_uncompressed()
+        else:
+            codec = compress.build(self.compressor, **self.compressor_args)
+            self._check_feedback(type(codec))
+            feedback.build(self.feedback_name, **self.error_feedback_args)
         check_int("warmup_steps", self.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
         check_int("min_compress_numel", self.min_compress_numel, 0, why="a count of elements")
         check_int("seed", self.seed, 0, _SEED_BOUND, why="a non-negative integer")
@@ -74,8 +79,8 @@ class SyncConfig:
     @property
     def feedback_name(self) -> str:
         """The error-feedback form in use: error_feedback, with "auto" resolved for the codec."""
-        if self.error_feedback != "auto":
-            return self.error_feedback
+        if self.error_feedback != "auto" or self.compressor == NO_COMPRESSION:
+            return "none" if self.compressor == NO_COMPRESSION else self.error_feedback
         return "ef" if compress.lookup(self.compressor).needs_feedback else "none"
 
     def build_compressor(self, seed: int) -> compress.Compressor:
@@ -87,6 +92,18 @@ class SyncConfig:
 
     def build_feedback(self) -> feedback.Feedback:
         return feedback.build(self.feedback_name, **self.error_feedback_args)
+
+    def _check_uncompressed(self) -> None:
+        if self.compressor_args:
+            raise ValueError(
+                f"compressor_args={dict(self.compressor_args)} given with compressor='none', which takes "
+                "none; drop them or name a compressor"
+            )
+        if self.error_feedback not in ("auto", "none") or self.error_feedback_args:
+            raise ValueError(
+                f"error_feedback={self.error_feedback!r} given with compressor='none': nothing is lost "
+                "without compression, so there is no error to feed back; leave it at 'auto'"
+            )
 
     def _check_feedback(self, codec: type[compress.Compressor]) -> None:
         form = self.error_feedback

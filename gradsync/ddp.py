@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import exchange
 from .comm import Comm, TorchComm, allgather_object, allreduce_sent_bytes, completed
 from .compress import Compressor, lookup
-from .config import SyncConfig
+from .config import NO_COMPRESSION, SyncConfig
 from .feedback import Feedback
 from .regroup import Regroup
 from .sparse.router import AUTO, Router
@@ -102,6 +102,7 @@ class SyncState:
         buffer.div_(comm.world_size)  # before compressing: low-precision sums cannot overflow
         compress = (
             may_compress
+            and self.config.compressor != NO_COMPRESSION
             and step >= self.config.warmup_steps
             and buffer.numel() >= self.config.min_compress_numel
         )

@@ -9,8 +9,11 @@ import warnings
 from typing import Any
 
 import pytest
+import torch
 
-from gradsync import SyncConfig, compress, feedback
+import gradsync
+from gradsync import SyncConfig, compress, feedback, sparse
+from gradsync.comm import LocalComm
 
 
 def test_defaults_are_valid_and_build_a_compressor_and_feedback() -> None:
@@ -44,6 +47,8 @@ def test_warmup_below_two_raises_value_error_with_the_value_and_range(warmup_ste
         ("seed", -1),
         ("seed", 2**63),
         ("seed", False),
+        ("sparse_every", 0),
+        ("sparse_every", 2.0),
     ],
 )
 def test_bad_integer_fields_raise_value_error_naming_the_value(field: str, value: Any) -> None:
@@ -54,7 +59,8 @@ def test_bad_integer_fields_raise_value_error_naming_the_value(field: str, value
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("warmup_steps", 2), ("min_compress_numel", 0), ("seed", 2**63 - 1)]
+    ("field", "value"),
+    [("warmup_steps", 2), ("min_compress_numel", 0), ("seed", 2**63 - 1), ("sparse_every", 1)],
 )
 def test_integer_fields_accept_their_bounds(field: str, value: int) -> None:
     assert getattr(SyncConfig(**{field: value}), field) == value
@@ -176,6 +182,8 @@ def test_configs_with_the_same_fields_are_equal_and_share_a_fingerprint() -> Non
         {"compressor_args": {"levels": 3, "bucket_size": 101}},
         {"error_feedback_args": {"eta": 0.06}},
         {"min_compress_numel": 11},
+        {"sparse_scheme": "balanced"},
+        {"sparse_every": 7},
     ],
     ids=lambda change: next(iter(change)),
 )
@@ -341,3 +349,32 @@ def test_to_dict_and_fingerprint_keep_auto_rather_than_its_resolution() -> None:
     assert auto.feedback_name == explicit.feedback_name
     assert auto != explicit
     assert auto.fingerprint() != explicit.fingerprint()
+
+
+@pytest.mark.parametrize("scheme", ["auto", *sparse.names()])
+def test_every_sparse_scheme_and_auto_are_accepted(scheme: str) -> None:
+    assert SyncConfig(sparse_scheme=scheme).sparse_scheme == scheme
+
+
+def test_an_unknown_sparse_scheme_raises_value_error_listing_the_schemes() -> None:
+    with pytest.raises(
+        ValueError, match=r"sparse_scheme='zen'.*auto, dense, agsparse, balanced, hierarchical"
+    ):
+        SyncConfig(sparse_scheme="zen")
+
+
+def test_compressor_none_compresses_nothing_and_has_no_feedback() -> None:
+    config = SyncConfig(compressor="none")
+    assert config.feedback_name == "none"
+    state = gradsync.SyncState(config, LocalComm())
+    x = torch.arange(40_000.0)
+    assert torch.equal(state.sync(x.clone(), 0, True).wait(), x)
+    assert state.stats()["total"]["compressed_buckets"] == 0
+
+
+@pytest.mark.parametrize(
+    "extra", [{"compressor_args": {"ratio": 0.1}}, {"error_feedback": "ef"}, {"error_feedback": "econtrol"}]
+)
+def test_compressor_none_refuses_compression_settings_naming_the_fix(extra: dict) -> None:
+    with pytest.raises(ValueError, match="compressor='none'"):
+        SyncConfig(compressor="none", **extra)

@@ -7,7 +7,9 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
 - `torch-powersgd`: PyTorch's own PowerSGD hook (options `rank`, `min_rate`; it starts compressing
   after gradsync's default warm-up, so the two start at the same step);
 - any gradsync compressor (`gradsync list`), e.g. `topk:ratio=0.001`: gradsync's hook with that
-  compressor. Options are the compressor's arguments plus `ef` (error-feedback form) and `warmup`.
+  compressor. Options are the compressor's arguments plus `ef` (error-feedback form), `warmup`
+  and `sparse` (the sparse scheme, SyncConfig.sparse_scheme: `identity:sparse=balanced` sends
+  dense buckets as they are and an embedding's sparse gradient by Zen's balanced scheme).
   `topk` defaults to ratio 0.01 with the sampled threshold, its fast mode.
 
 Example:
@@ -24,7 +26,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import compress
-from ..config import SyncConfig
+from ..config import NO_COMPRESSION, SyncConfig
 from ..ddp import register
 from ..exchange import allreduce_sent_bytes
 
@@ -66,10 +68,14 @@ class Strategy:
         assert self.config is not None
         args = ", ".join(f"{k}={v}" for k, v in self.config.compressor_args.items())
         feedback = self.config.feedback_name
+        scheme = self.config.sparse_scheme
+        if self.config.compressor == NO_COMPRESSION:
+            return f"gradsync, no compression, sparse {scheme}"
         return (
             f"gradsync {self.config.compressor}"
             + (f" ({args})" if args else "")
             + (f" + {feedback}" if feedback != "none" else "")
+            + (f", sparse {scheme}" if scheme != "auto" else "")
         )
 
 
@@ -92,17 +98,22 @@ def parse(text: str) -> Strategy:
         if not isinstance(merged["rank"], int) or merged["rank"] < 1:
             raise ValueError(f"strategy {text!r}: rank={merged['rank']!r} must be an integer >= 1")
         return Strategy(text, name, merged)
-    if name not in compress.names():
+    if name not in (*compress.names(), NO_COMPRESSION):
         raise ValueError(
             f"unknown strategy {name!r} in {text!r}; choose one of {', '.join(BASELINES)} or a gradsync "
             f"compressor: {', '.join(compress.names())}"
         )
     feedback = options.pop("ef", "auto")
     warmup = options.pop("warmup", WARMUP_STEPS)
+    scheme = options.pop("sparse", "auto")
     args = {**_GRADSYNC_DEFAULTS.get(name, {}), **options}
     try:
         config = SyncConfig(
-            compressor=name, compressor_args=args, error_feedback=feedback, warmup_steps=warmup
+            compressor=name,
+            compressor_args=args,
+            error_feedback=feedback,
+            warmup_steps=warmup,
+            sparse_scheme=scheme,
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"strategy {text!r}: {err}") from err
