@@ -21,6 +21,7 @@ from .compress import Compressor, lookup
 from .config import NO_COMPRESSION, SyncConfig
 from .feedback import Feedback
 from .regroup import Regroup
+from .sparse.result import SparseResult
 from .sparse.router import AUTO, Router
 from .sparse.rows import SparseRows
 from .trace import BucketRecord, Trace
@@ -124,7 +125,7 @@ class SyncState:
         into_buffer = p is not buffer and not type(point.feedback).reads_gradient
         key = f"bucket {bucket_index}"
 
-        def route(rows: SparseRows, finite: bool) -> Any:
+        def route(rows: SparseRows, finite: bool) -> SparseResult:
             return self.sparse.sync(key, rows, comm, step, finite)
 
         out = buffer if into_buffer else None
@@ -141,21 +142,8 @@ class SyncState:
         rows = rows.like(rows.indices, rows.values / comm.world_size)
         result = self.sparse.sync(key, rows, comm, step)
         total = result.total.rows().to_coo(grad.shape)
-        numel = grad.numel()
-        self.trace.record(
-            BucketRecord(
-                step=step,
-                bucket=-1,
-                numel=numel,
-                compressed=False,
-                payload_bytes=rows.nnz * (4 + rows.width * rows.values.element_size()),
-                bytes_sent=result.bytes_sent,
-                bytes_fp32=allreduce_sent_bytes(4 * numel, comm.world_size),
-                compress_s=0.0,
-                communicate_s=time.perf_counter() - clock,
-                decompress_s=0.0,
-            )
-        )
+        payload_bytes = rows.nnz * (4 + rows.width * rows.values.element_size())
+        self._record_uncompressed(step, -1, grad.numel(), payload_bytes, result.bytes_sent, clock)
         return completed(total)
 
     def stats(self) -> dict[str, Any]:
@@ -298,22 +286,27 @@ class SyncState:
                 sent += result.bytes_sent
         for future in pending:
             future.wait()
-        numel = buffer.numel()
+        self._record_uncompressed(step, bucket_index, buffer.numel(), buffer.nbytes, sent, clock)
+        return buffer
+
+    def _record_uncompressed(
+        self, step: int, bucket_index: int, numel: int, payload_bytes: int, bytes_sent: int, started: float
+    ) -> None:
+        """Trace an exchange that compressed nothing and took since `started` (perf_counter)."""
         self.trace.record(
             BucketRecord(
                 step=step,
                 bucket=bucket_index,
                 numel=numel,
                 compressed=False,
-                payload_bytes=4 * numel,
-                bytes_sent=sent,
-                bytes_fp32=allreduce_sent_bytes(4 * numel, comm.world_size),
+                payload_bytes=payload_bytes,
+                bytes_sent=bytes_sent,
+                bytes_fp32=allreduce_sent_bytes(4 * numel, self._comm().world_size),
                 compress_s=0.0,
-                communicate_s=time.perf_counter() - clock,
+                communicate_s=time.perf_counter() - started,
                 decompress_s=0.0,
             )
         )
-        return buffer
 
     def _finish(
         self,
