@@ -164,7 +164,7 @@ def decode_indices(encoded: torch.Tensor, numel: int, count: int) -> torch.Tenso
     expected = index_nbytes(numel, count)
     _check_wire_bytes(encoded, expected, "encoded indices", f"{count} indices into {numel} elements")
     if index_format(numel, count) == "coo":
-        if count and encoded.data_ptr() % 4:
+        if encoded.storage_offset() % 4 or encoded.data_ptr() % 4:
             encoded = encoded.clone()  # a misaligned slice cannot be viewed as int32
         indices = encoded.view(torch.int32).long()
         check_indices(indices, numel)

@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..comm import allreduce_sent_bytes
 from ..wire import index_nbytes
 from .hashing import pull_index_nbytes
 
@@ -113,7 +114,7 @@ def fastest(sparsity: Sparsity, n: int, network: Network) -> str:
 
 
 def dense_nbytes(s: Sparsity, n: int) -> float:
-    return 2 * (n - 1) / n * (s.dense_nbytes + s.value_nbytes)  # + the flag element
+    return allreduce_sent_bytes(s.dense_nbytes + s.value_nbytes, n)  # + the flag element
 
 
 def agsparse_nbytes(s: Sparsity, n: int) -> float:

@@ -136,8 +136,8 @@ def encode_owned(indices: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
 def decode_owned(encoded: torch.Tensor, owned: torch.Tensor, count: int) -> torch.Tensor:
     """Inverse of encode_owned: the `count` ascending int64 indices."""
     if pull_index_format(owned.numel(), count) == "coo":
-        if count and encoded.data_ptr() % 4:
-            encoded = encoded.clone()  # a misaligned slice cannot be viewed as int32
+        if encoded.storage_offset() % 4 or encoded.data_ptr() % 4:
+            encoded = encoded.clone()  # a misaligned slice cannot be viewed as int32, even empty
         indices = encoded.view(torch.int32).long()
     else:
         indices = owned[unpack_bits(encoded, 1, owned.numel()).nonzero().squeeze(1)]

@@ -8,6 +8,7 @@ by sorted union and encode them as COO or as a bitmap without reordering values.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,7 +80,10 @@ class SparseRows:
     def from_pairs(cls, indices: torch.Tensor, values: torch.Tensor, num_rows: int) -> SparseRows:
         """Rows in any order, duplicates summed (in their given order): a coalesced SparseRows."""
         indices = indices.reshape(-1).long()
-        values = values.reshape(indices.numel(), -1)
+        if indices.numel():
+            values = values.reshape(indices.numel(), -1)
+        else:  # no rows: -1 would be ambiguous, so the width comes from the trailing dimensions
+            values = values.reshape(0, math.prod(values.shape[1:]) if values.dim() > 1 else 1)
         check_range(indices, num_rows)
         if indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all()):
             return cls(indices, values, num_rows)
@@ -96,9 +100,7 @@ class SparseRows:
                 f"from_coo takes a sparse COO tensor with one sparse dimension, got layout {coo.layout} "
                 f"with shape {tuple(coo.shape)}"
             )
-        num_rows = coo.shape[0]
-        values = coo._values().reshape(coo._nnz(), -1)
-        return cls.from_pairs(coo._indices()[0], values, num_rows)
+        return cls.from_pairs(coo._indices()[0], coo._values(), coo.shape[0])
 
     def to_dense(self) -> torch.Tensor:
         """The [num_rows, width] tensor these rows stand for."""
@@ -164,8 +166,8 @@ def value_bytes(rows: SparseRows) -> torch.Tensor:
 
 def values_from_bytes(data: torch.Tensor, count: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of value_bytes: `count` rows of `width` values of `dtype`."""
-    if data.data_ptr() % dtype.itemsize:
-        data = data.clone()  # a misaligned slice cannot be viewed as a wider type
+    if data.storage_offset() % dtype.itemsize or data.data_ptr() % dtype.itemsize:
+        data = data.clone()  # a misaligned slice cannot be viewed as a wider type, even empty
     return data.view(dtype).view(count, width)
 
 
