@@ -63,7 +63,7 @@ def exchange(
     """Sum `rows` over the ranks of `comm` by `scheme`; blocks until the sum is here.
 
     `finite=False` flags this rank's input as not finite (the result's `finite` is then False on
-    every rank). `partition` (balanced only) assigns rows to owners; by default a HashPartition
+    every rank). `partition` (balanced only) assigns rows to owners; by default the HashPartition
     with seed 0, the same on every rank. Every rank must pass rows of the same tensor shape and
     dtype and the same scheme.
     """

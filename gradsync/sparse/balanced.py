@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm, allgather_sent_bytes, allgather_sizes
-from .hashing import HashPartition, Partition, decode_owned, encode_owned, imbalance, pull_index_nbytes
+from .hashing import Partition, decode_owned, encode_owned, hash_partition, imbalance, pull_index_nbytes
 from .result import SparseResult, Summed
 from .rows import SparseRows, sum_rows, value_bytes, values_from_bytes
 
@@ -29,7 +29,7 @@ def balanced(
     rows: SparseRows, comm: Comm, finite: bool = True, partition: Partition | None = None
 ) -> SparseResult:
     n, me = comm.world_size, comm.rank
-    partition = partition or HashPartition(rows.num_rows, n, seed=0)
+    partition = partition or hash_partition(rows.num_rows, n, 0)
     _check_partition(partition, rows, n)
     row_nbytes = rows.width * rows.values.element_size()
 

@@ -16,7 +16,7 @@ that). Where the subset is small, 4-byte COO indices are smaller and are used in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -92,6 +92,12 @@ class HashPartition(Partition):
         for count in counts:
             offsets.append(offsets[-1] + count)
         return order, offsets
+
+
+@lru_cache(maxsize=16)
+def hash_partition(num_rows: int, num_owners: int, seed: int) -> HashPartition:
+    """The HashPartition for these numbers, built once: its row table is a sort of every row."""
+    return HashPartition(num_rows, num_owners, seed)
 
 
 class RangePartition(Partition):

@@ -13,7 +13,7 @@ from ..comm import Comm
 from . import exchange
 from .agsparse import gather
 from .cost import Network, Sparsity, fastest
-from .hashing import HashPartition
+from .hashing import hash_partition
 from .result import SparseResult, Summed
 from .rows import SparseRows, sum_rows
 from .select import Choice, Selector
@@ -29,7 +29,6 @@ class Router:
         self.seed = seed
         self.selector = Selector(every)
         self.last: dict[str, dict[str, Any]] = {}  # per key: the newest exchange, for stats()
-        self._partitions: dict[tuple[int, int], HashPartition] = {}
 
     def sync(self, key: str, rows: SparseRows, comm: Comm, step: int, finite: bool = True) -> SparseResult:
         """The sum of `rows` over the ranks, by this key's scheme."""
@@ -84,12 +83,9 @@ class Router:
         self.selector.network = None if network is None else Network(*network)
 
     def _run(self, scheme: str, rows: SparseRows, comm: Comm, finite: bool) -> SparseResult:
-        partition = None
-        if scheme == "balanced":
-            shape = (rows.num_rows, comm.world_size)
-            if shape not in self._partitions:
-                self._partitions[shape] = HashPartition(rows.num_rows, comm.world_size, self.seed)
-            partition = self._partitions[shape]
+        partition = (
+            hash_partition(rows.num_rows, comm.world_size, self.seed) if scheme == "balanced" else None
+        )
         return exchange(rows, comm, scheme, finite, partition)
 
     def _record(self, key: str, step: int, rows: SparseRows, result: SparseResult) -> None:
