@@ -281,7 +281,7 @@ class SyncState:
                 run_start = None
             if seg is not None:
                 table = seg.rows(flat)
-                result = self.sparse.sync(seg.key, SparseRows.from_dense(table), comm, step)
+                result = self.sparse.sync(seg.key, SparseRows.from_dense(table), comm, step, in_bucket=True)
                 result.total.into(table)
                 sent += result.bytes_sent
         for future in pending:

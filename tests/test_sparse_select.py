@@ -109,3 +109,17 @@ def test_the_router_state_round_trips() -> None:
     assert restored.state_dict() == router.state_dict()
     assert restored.selector.network == router.selector.network
     assert not restored.selector.due("t", 1)
+
+
+def test_a_small_dense_tensor_of_a_bucket_stays_in_the_buckets_allreduce() -> None:
+    # Alone, recursive doubling's 2 log2(n) rounds beat a ring's 2 (n - 1) for a small tensor; in
+    # a bucket, going dense costs no round of its own, so dense wins.
+    slow_rounds = Network(alpha_s=1e-3, bandwidth_Bps=1e9)
+    bias = [rows_at(range(512), width=1, num_rows=512) for _ in range(8)]
+    alone = Selector(every=10, network=slow_rounds).decide("b", bias, 0, LocalComm())
+    in_bucket = Selector(every=10, network=slow_rounds).decide("b", bias, 0, LocalComm(), dense_latency=False)
+    assert alone.scheme == "hierarchical"
+    assert in_bucket.scheme == "dense"
+    router = Router("auto", every=10, seed=0)
+    router.selector.network = slow_rounds
+    assert router.choose_dense("b", 1.0, bias[0], n=8, step=0)

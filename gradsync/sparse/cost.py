@@ -101,15 +101,21 @@ def latency_steps(n: int) -> dict[str, int]:
     }
 
 
-def seconds(sparsity: Sparsity, n: int, network: Network) -> dict[str, float]:
-    """Predicted exchange time per scheme."""
+def seconds(sparsity: Sparsity, n: int, network: Network, dense_latency: bool = True) -> dict[str, float]:
+    """Predicted exchange time per scheme.
+
+    dense_latency=False: the dense option costs its bytes only, as for a tensor whose dense
+    exchange joins its neighbours' allreduce in the same bucket instead of a round of its own.
+    """
     steps = latency_steps(n)
+    if not dense_latency:
+        steps["dense"] = 0
     return {name: network.seconds(nbytes, steps[name]) for name, nbytes in traffic(sparsity, n).items()}
 
 
-def fastest(sparsity: Sparsity, n: int, network: Network) -> str:
+def fastest(sparsity: Sparsity, n: int, network: Network, dense_latency: bool = True) -> str:
     """The scheme of least predicted time; a tie goes to the first in table order."""
-    predicted = seconds(sparsity, n, network)
+    predicted = seconds(sparsity, n, network, dense_latency)
     return min(predicted, key=predicted.__getitem__)
 
 

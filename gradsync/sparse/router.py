@@ -30,14 +30,18 @@ class Router:
         self.selector = Selector(every)
         self.last: dict[str, dict[str, Any]] = {}  # per key: the newest exchange, for stats()
 
-    def sync(self, key: str, rows: SparseRows, comm: Comm, step: int, finite: bool = True) -> SparseResult:
-        """The sum of `rows` over the ranks, by this key's scheme."""
+    def sync(
+        self, key: str, rows: SparseRows, comm: Comm, step: int, finite: bool = True, in_bucket: bool = False
+    ) -> SparseResult:
+        """The sum of `rows` over the ranks, by this key's scheme. `in_bucket`: the tensor is one
+        of an uncompressed bucket's, so going dense costs it no round of its own (it joins its
+        neighbours' allreduce)."""
         if self.scheme != AUTO:
             result = self._run(self.scheme, rows, comm, finite)
         elif self.selector.due(key, step):
             # The decision step's exchange is the allgather the measurement needs anyway.
             parts, finite, sent = gather(rows, comm, finite)
-            self.selector.decide(key, parts, step, comm)
+            self.selector.decide(key, parts, step, comm, dense_latency=not in_bucket)
             result = SparseResult(Summed(rows.num_rows, parts=[sum_rows(parts)]), "agsparse", finite, sent)
         else:
             result = self._run(self.selector.choices[key].scheme, rows, comm, finite)
@@ -45,15 +49,17 @@ class Router:
         return result
 
     def choose_dense(self, key: str, density: float, like: SparseRows, n: int, step: int) -> bool:
-        """For "auto": whether `key`, at mean density `density`, goes dense without measuring more.
+        """For "auto": whether `key`, a tensor of an uncompressed bucket at mean density
+        `density`, goes dense without measuring more.
 
-        Even with perfect overlap (no densification) a sparse scheme cannot beat dense here, so
-        there is nothing to gather; the decision is recorded like any other.
+        Even with perfect overlap (no densification) a sparse scheme cannot beat dense here, where
+        dense costs only its bytes since it joins the bucket's allreduce; so there is nothing to
+        gather. The decision is recorded like any other.
         """
         best_case = Sparsity(
             like.num_rows, like.width, like.values.element_size(), {m: density for m in _sizes(n)}
         )
-        if fastest(best_case, n, self.selector.network or Network()) != "dense":
+        if fastest(best_case, n, self.selector.network or Network(), dense_latency=False) != "dense":
             return False
         self.selector.choices[key] = Choice("dense", step, None)
         return True

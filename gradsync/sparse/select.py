@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..comm import Comm
-from .cost import Network, Sparsity, fastest, seconds
+from .cost import Network, Sparsity, seconds
 from .rows import SparseRows
 
 # Pairs of ranks whose overlap is measured: all pairs up to this many ranks, neighbours beyond.
@@ -127,14 +127,17 @@ class Selector:
         choice = self.choices.get(key)
         return choice is None or step - choice.decided_at_step >= self.every
 
-    def decide(self, key: str, parts: Sequence[SparseRows], step: int, comm: Comm) -> Choice:
-        """Measure every rank's rows and record the fastest scheme for `key`."""
+    def decide(
+        self, key: str, parts: Sequence[SparseRows], step: int, comm: Comm, dense_latency: bool = True
+    ) -> Choice:
+        """Measure every rank's rows and record the fastest scheme for `key` (dense_latency: see
+        cost.seconds)."""
         if self.network is None:
             self.network = calibrate(comm, parts[0].values.device)
         measured = measure(parts)
-        n = len(parts)
-        predicted = seconds(measured.sparsity, n, self.network)
-        choice = Choice(fastest(measured.sparsity, n, self.network), step, measured, predicted)
+        predicted = seconds(measured.sparsity, len(parts), self.network, dense_latency)
+        scheme = min(predicted, key=predicted.__getitem__)  # a tie: the first in table order
+        choice = Choice(scheme, step, measured, predicted)
         self.choices[key] = choice
         return choice
 
