@@ -75,7 +75,7 @@ def test_hierarchical_sends_the_growing_union_capped_at_dense_each_round() -> No
 
 
 def test_latency_steps_and_seconds_follow_the_alpha_beta_model() -> None:
-    assert latency_steps(4) == {"dense": 6, "agsparse": 6, "balanced": 12, "hierarchical": 4}
+    assert latency_steps(4) == {"dense": 6, "agsparse": 6, "balanced": 4, "hierarchical": 4}
     assert latency_steps(3)["hierarchical"] == 2 + 4  # one round, and the fold's two messages each way
     assert latency_steps(8)["hierarchical"] == 6
     network = Network(alpha_s=1e-3, bandwidth_Bps=1e6)

@@ -49,14 +49,15 @@ def test_measure_takes_the_whole_group_for_a_world_that_is_not_a_power_of_two() 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_the_selector_sends_dense_rows_dense_and_sparse_rows_sparse(world: int) -> None:
-    selector = Selector(every=10, network=Network())
+    # Bandwidth only: at full density the sparse schemes' indices are pure overhead.
+    selector = Selector(every=10, network=Network(alpha_s=0.0))
     generator = torch.Generator().manual_seed(world)
     full = [rows_at(range(NUM_ROWS), 64) for _ in range(world)]
     few = [rows_at(torch.randperm(NUM_ROWS, generator=generator)[:10].tolist(), 64) for _ in range(world)]
     assert selector.decide("full", full, step=0, comm=LocalComm()).scheme == "dense"
     choice = selector.decide("few", few, step=0, comm=LocalComm())
     assert choice.scheme != "dense"
-    assert choice.predicted_s == seconds(measure(few).sparsity, world, Network())
+    assert choice.predicted_s == seconds(measure(few).sparsity, world, Network(alpha_s=0.0))
     assert choice.scheme == min(choice.predicted_s, key=choice.predicted_s.get)
 
 
@@ -112,13 +113,13 @@ def test_the_router_state_round_trips() -> None:
 
 
 def test_a_small_dense_tensor_of_a_bucket_stays_in_the_buckets_allreduce() -> None:
-    # Alone, recursive doubling's 2 log2(n) rounds beat a ring's 2 (n - 1) for a small tensor; in
-    # a bucket, going dense costs no round of its own, so dense wins.
+    # Alone, a sparse scheme's few rounds (all_to_all, recursive doubling) beat a ring's 2 (n - 1)
+    # for a small tensor; in a bucket, going dense costs no round of its own, so dense wins.
     slow_rounds = Network(alpha_s=1e-3, bandwidth_Bps=1e9)
     bias = [rows_at(range(512), width=1, num_rows=512) for _ in range(8)]
     alone = Selector(every=10, network=slow_rounds).decide("b", bias, 0, LocalComm())
     in_bucket = Selector(every=10, network=slow_rounds).decide("b", bias, 0, LocalComm(), dense_latency=False)
-    assert alone.scheme == "hierarchical"
+    assert alone.scheme != "dense"
     assert in_bucket.scheme == "dense"
     router = Router("auto", every=10, seed=0)
     router.selector.network = slow_rounds

@@ -7,15 +7,15 @@ optimum Zen proves for any overlap, and the hash keeps every owner's share close
 when a few rows are hot. Owners name their rows with a hash bitmap over the rows they own
 (hashing.encode_owned), so the pull's indices cost num_rows / 8 bytes in all, not per worker.
 
-Rounds: the push counts (all_to_all), the push (all_to_all), the owners' counts (allgather),
-the pull (allgather, frames padded to the largest owner's).
+Rounds, each one all_to_all (every pair of ranks at once): the push counts, the push, the
+owners' counts, the pull (each owner's frame to every rank: an allgather of uneven sizes).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..comm import Comm, allgather_sent_bytes, allgather_sizes
+from ..comm import Comm
 from .hashing import Partition, decode_owned, encode_owned, hash_partition, imbalance, pull_index_nbytes
 from .result import SparseResult, Summed
 from .rows import SparseRows, sum_rows, value_bytes, values_from_bytes
@@ -46,16 +46,16 @@ def balanced(
     mine = sum_rows(received)  # in rank order: the same bits whoever sums
     owned = partition.owned(me)
 
-    # Pull: each owner's sum to every rank.
-    sizes = allgather_sizes(comm, [mine.nnz, sum(recv_counts), int(not finite)], rows.values.device)
+    # Pull: each owner's sum to every rank. An allgather of uneven sizes, done as one all_to_all
+    # that sends the owner's frame to every rank: no padding to the largest owner, and every
+    # pair moves at once instead of in the n - 1 steps of a ring.
+    sizes = _to_every_rank(comm, [mine.nnz, sum(recv_counts), int(not finite)], rows.values.device)
     pull_nbytes = [
         pull_index_nbytes(partition.owned(owner).numel(), count) + count * row_nbytes
         for owner, (count, _, _) in enumerate(sizes)
     ]
-    frame = torch.zeros(max(pull_nbytes), dtype=torch.uint8, device=rows.values.device)
-    packed = torch.cat([encode_owned(mine.indices, owned), value_bytes(mine)])
-    frame[: packed.numel()] = packed
-    pulled = comm.allgather(frame).wait()
+    frame = torch.cat([encode_owned(mine.indices, owned), value_bytes(mine)])
+    pulled = comm.all_to_all([frame] * n, pull_nbytes).wait()
     parts = [
         _unpull(rows, data, partition.owned(owner), count) if owner != me else mine
         for owner, (data, (count, _, _)) in enumerate(zip(pulled, sizes, strict=True))
@@ -64,8 +64,8 @@ def balanced(
     sent = (
         COUNT_NBYTES * (n - 1)
         + sum(f.numel() for j, f in enumerate(frames) if j != me)
-        + allgather_sent_bytes(OWNER_SIZE_NBYTES, n)
-        + allgather_sent_bytes(frame.numel(), n)
+        + OWNER_SIZE_NBYTES * (n - 1)
+        + frame.numel() * (n - 1)
     )
     return SparseResult(
         Summed(rows.num_rows, parts=parts),
@@ -81,6 +81,13 @@ def _swap_counts(comm: Comm, send_counts: list[int], device: torch.device) -> li
     """How many rows each rank will push here, given how many this rank pushes to each."""
     parts = list(torch.tensor(send_counts, dtype=torch.int64, device=device).split(1))
     return [int(c) for c in comm.all_to_all(parts, [1] * comm.world_size).wait()]
+
+
+def _to_every_rank(comm: Comm, values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's `values` (one length on all ranks), in rank order: an allgather in one step."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    received = comm.all_to_all([mine] * comm.world_size, [len(values)] * comm.world_size).wait()
+    return [part.tolist() for part in received]
 
 
 def _unpush(like: SparseRows, data: torch.Tensor, count: int) -> SparseRows:

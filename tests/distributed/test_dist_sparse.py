@@ -9,7 +9,7 @@ and computes the references itself:
   floats checks only closeness, and, like every case, that all ranks hold the same bits;
 - byte counts follow each scheme's messages: dense's ring allreduce of the table and a flag,
   agsparse's size exchange and padded allgather, balanced's counts, pushes, owner sizes and
-  padded pull (worked out here from the partition), hierarchical's header and min(sparse frame,
+  its own pull (worked out here from the partition), hierarchical's header and min(sparse frame,
   dense) per message; cost.traffic must give the same bytes where it models them exactly.
 """
 
@@ -272,9 +272,10 @@ def balanced_reference(case: Case, world: int, dtype: torch.dtype, partition) ->
         owned = partition.owned(owner).numel()
         bitmap = -(-owned // 8)
         pulls.append((bitmap if bitmap < 4 * count else 4 * count) + count * row_nbytes)
-    fixed = (world - 1) * (8 + 24 + max(pulls))
     sent = [
-        fixed + sum(c for o, c in enumerate(counts[r]) if o != r) * (4 + row_nbytes) for r in range(world)
+        (world - 1) * (8 + 24 + pulls[r])
+        + sum(c for o, c in enumerate(counts[r]) if o != r) * (4 + row_nbytes)
+        for r in range(world)
     ]
     pushed = [sum(counts[r][o] for r in range(world)) for o in range(world)]
     return {"sent": sent, "push_imbalance": imbalance(pushed), "pull_imbalance": imbalance(pulls)}
@@ -514,7 +515,7 @@ def test_hierarchical_sends_a_header_and_the_smaller_form_per_message(
                     assert predicted == expected, where
 
 
-def test_balanced_sends_counts_pushes_owner_sizes_and_the_padded_pull(
+def test_balanced_sends_counts_pushes_owner_sizes_and_its_own_pull(
     world_runs: tuple[int, list[dict]],
 ) -> None:
     world, runs = world_runs
@@ -555,13 +556,16 @@ def test_balanced_traffic_formula_is_exact_for_even_owners(world_runs: tuple[int
                 )
 
 
-def test_balanced_traffic_formula_is_close_to_the_mean_bytes_sent(world_runs: tuple[int, list[dict]]) -> None:
-    """Not exact in general: cost.py prices the push by the busiest owner (push imbalance) where a
-    rank sends its own rows, and the pull's index bytes by the mean owner where each owner picks
-    its own format. The size exchanges and the pull's values are exact, so the prediction stays
-    within 15% of the mean over ranks of the bytes sent on every case here (within 9% observed)."""
+def test_balanced_traffic_formula_is_close_to_the_busiest_ranks_bytes(
+    world_runs: tuple[int, list[dict]],
+) -> None:
+    """Not exact in general: cost.py prices the critical path, the busiest owner's push and pull
+    (mean times imbalance), and the pull's index bytes by the mean owner where each owner picks
+    its own format. The size exchanges are exact, so the prediction stays within 15% of the
+    busiest rank's bytes sent on every case here but those with one empty rank, whose mean row
+    count says nothing of the busiest rank's push."""
     world, runs = world_runs
-    for case in CASES:
+    for case in (c for c in CASES if c.empty_rank is None):
         for dtype in DTYPES:
             outs = results(runs, case, dtype, "balanced")
             s = measured_sparsity(
@@ -571,9 +575,7 @@ def test_balanced_traffic_formula_is_close_to_the_mean_bytes_sent(world_runs: tu
                 push_imbalance=outs[0]["push_imbalance"],
                 pull_imbalance=outs[0]["pull_imbalance"],
             )
-            mean_sent = sum(out["bytes_sent"] for out in outs) / world
-            assert traffic(s, world)["balanced"] == pytest.approx(mean_sent, rel=0.15), (
-                f"{case.name}, {dtype}"
-            )
+            busiest = max(out["bytes_sent"] for out in outs)
+            assert traffic(s, world)["balanced"] == pytest.approx(busiest, rel=0.15), f"{case.name}, {dtype}"
             if case.all_empty:  # only the size exchanges: exact
-                assert traffic(s, world)["balanced"] == mean_sent == (world - 1) * (8 + 24)
+                assert traffic(s, world)["balanced"] == busiest == (world - 1) * (8 + 24)
