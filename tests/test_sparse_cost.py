@@ -79,11 +79,21 @@ def test_latency_steps_and_seconds_follow_the_alpha_beta_model() -> None:
     assert latency_steps(3)["hierarchical"] == 2 + 4  # one round, and the fold's two messages each way
     assert latency_steps(8)["hierarchical"] == 6
     network = Network(alpha_s=1e-3, bandwidth_Bps=1e6)
-    assert network.seconds(2e6, 3) == pytest.approx(3e-3 + 2.0)
+    assert network.seconds(2e6, ("allreduce", "all_to_all"), 4) == pytest.approx(7e-3 + 2.0)
     s = sparsity(1000, 4, {1: 0.05, 2: 0.09, 4: 0.16})
     predicted = seconds(s, 4, network)
     for name, nbytes in traffic(s, 4).items():
         assert predicted[name] == pytest.approx(latency_steps(4)[name] * 1e-3 + nbytes / 1e6)
+
+
+def test_measured_rounds_replace_the_alpha_model_where_known() -> None:
+    measured = Network(alpha_s=1e-3, bandwidth_Bps=1e6, round_s={"all_to_all": 0.03, "sendrecv": 0.002})
+    assert measured.latency_s("all_to_all", 8) == 0.03
+    assert measured.latency_s("allgather", 8) == pytest.approx(7e-3)  # not measured: alpha per step
+    s = sparsity(1000, 4, {1: 0.05, 2: 0.09, 4: 0.16, 8: 0.25})
+    predicted = seconds(s, 8, measured)
+    assert predicted["balanced"] == pytest.approx(4 * 0.03 + traffic(s, 8)["balanced"] / 1e6)
+    assert predicted["hierarchical"] == pytest.approx(6 * 0.002 + traffic(s, 8)["hierarchical"] / 1e6)
 
 
 def test_densification_is_the_union_density_over_one_ranks() -> None:

@@ -16,7 +16,7 @@ where d_m is the density of the union of m ranks' rows (densification gamma_m = 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..comm import allreduce_sent_bytes
@@ -70,17 +70,31 @@ class Sparsity:
 
 @dataclass(frozen=True)
 class Network:
-    """alpha-beta: seconds per latency step and bytes per second of each rank's link."""
+    """alpha-beta: the latency of each collective's round and bytes per second of a rank's link.
+
+    By default a round costs alpha per message on its critical path (`round_steps`). Measured
+    rounds (`round_s`: seconds of one near-empty round of each collective, at this group's size)
+    replace that where known: real collectives differ from the model (on the emulated testbed a
+    tiny all_to_all costs as much as 30 allreduce steps).
+    """
 
     alpha_s: float = 50e-6
     bandwidth_Bps: float = 1e9 / 8
+    round_s: Mapping[str, float] | None = None
 
-    def seconds(self, nbytes: float, steps: int) -> float:
-        return self.alpha_s * steps + nbytes / self.bandwidth_Bps
+    def latency_s(self, collective: str, n: int) -> float:
+        if self.round_s is not None and collective in self.round_s:
+            return self.round_s[collective]
+        return self.alpha_s * round_steps(collective, n)
+
+    def seconds(self, nbytes: float, rounds: Sequence[str], n: int) -> float:
+        return sum(self.latency_s(c, n) for c in rounds) + nbytes / self.bandwidth_Bps
 
 
 def traffic(sparsity: Sparsity, n: int) -> dict[str, float]:
-    """Bytes each rank sends, per scheme, for n workers."""
+    """Bytes on the critical path, per scheme, for n workers: what each rank sends, and for
+    balanced the busiest owner's load, the rows pushed to it and the sum it pulls out (mean times
+    the measured imbalance)."""
     return {
         "dense": dense_nbytes(sparsity, n),
         "agsparse": agsparse_nbytes(sparsity, n),
@@ -89,17 +103,27 @@ def traffic(sparsity: Sparsity, n: int) -> dict[str, float]:
     }
 
 
-def latency_steps(n: int) -> dict[str, int]:
-    """Messages on each scheme's critical path: ring collectives take n - 1 steps per pass, an
-    all_to_all one (every pair at once), a swap of partners one per message."""
-    rounds = int(math.log2(_power_below(n)))
-    fold = 4 if n != _power_below(n) else 0  # a header and a body, before and after
+def rounds(n: int) -> dict[str, tuple[str, ...]]:
+    """The collectives each scheme runs one after the other, for n workers."""
+    power = _power_below(n)
+    swaps = 2 * int(math.log2(power)) + (4 if n != power else 0)  # a header and a body per message
     return {
-        "dense": 2 * (n - 1),
-        "agsparse": 2 * (n - 1),
-        "balanced": 4,
-        "hierarchical": 2 * rounds + fold,
+        "dense": ("allreduce",),
+        "agsparse": ("allgather", "allgather"),
+        "balanced": ("all_to_all",) * 4,
+        "hierarchical": ("sendrecv",) * swaps,
     }
+
+
+def round_steps(collective: str, n: int) -> int:
+    """Messages on a round's critical path: a ring allreduce 2 (n - 1), a ring allgather n - 1,
+    an all_to_all 1 (every pair at once), a swap with a partner 1."""
+    return {"allreduce": 2 * (n - 1), "allgather": n - 1, "all_to_all": 1, "sendrecv": 1}[collective]
+
+
+def latency_steps(n: int) -> dict[str, int]:
+    """Messages on each scheme's critical path: the sum of its rounds' steps."""
+    return {name: sum(round_steps(c, n) for c in chain) for name, chain in rounds(n).items()}
 
 
 def seconds(sparsity: Sparsity, n: int, network: Network, dense_latency: bool = True) -> dict[str, float]:
@@ -108,10 +132,10 @@ def seconds(sparsity: Sparsity, n: int, network: Network, dense_latency: bool = 
     dense_latency=False: the dense option costs its bytes only, as for a tensor whose dense
     exchange joins its neighbours' allreduce in the same bucket instead of a round of its own.
     """
-    steps = latency_steps(n)
+    chains = rounds(n)
     if not dense_latency:
-        steps["dense"] = 0
-    return {name: network.seconds(nbytes, steps[name]) for name, nbytes in traffic(sparsity, n).items()}
+        chains["dense"] = ()
+    return {name: network.seconds(nbytes, chains[name], n) for name, nbytes in traffic(sparsity, n).items()}
 
 
 def fastest(sparsity: Sparsity, n: int, network: Network, dense_latency: bool = True) -> str:

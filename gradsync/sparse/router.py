@@ -7,6 +7,7 @@ in model.parameters(); "bucket 1": a compressed bucket's payload), so a choice f
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..comm import Comm
@@ -78,7 +79,7 @@ class Router:
         network = self.selector.network
         return {
             "choices": {k: (c.scheme, c.decided_at_step) for k, c in self.selector.choices.items()},
-            "network": None if network is None else (network.alpha_s, network.bandwidth_Bps),
+            "network": None if network is None else dataclasses.asdict(network),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -86,7 +87,7 @@ class Router:
         # continue its exact trajectory, and its network to make the same next ones.
         self.selector.choices = {k: Choice(s, at, None) for k, (s, at) in state["choices"].items()}
         network = state["network"]
-        self.selector.network = None if network is None else Network(*network)
+        self.selector.network = None if network is None else Network(**network)
 
     def _run(self, scheme: str, rows: SparseRows, comm: Comm, finite: bool) -> SparseResult:
         partition = (

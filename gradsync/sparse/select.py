@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,32 +63,44 @@ def measure(parts: Sequence[SparseRows]) -> Measured:
 
 
 def calibrate(comm: Comm, device: torch.device, repeats: int = 3) -> Network:
-    """alpha and bandwidth of this group, from allreduces of 1 element and of 4 MiB.
+    """The latency of one near-empty round of each collective the schemes use, and the
+    bandwidth of a 4 MiB allreduce, measured on this group.
 
-    Ranks time differently, so the slowest rank's times are taken (an allreduce of MAX): every
-    rank then holds the same Network and makes the same decisions.
+    Ranks time differently, so the slowest rank's times are taken: every rank then holds the
+    same Network and makes the same decisions.
     """
     n = comm.world_size
     if n == 1:
         return Network()
-    small, large = torch.zeros(1, device=device), torch.zeros(1 << 20, device=device)
-
-    def timed(t: torch.Tensor) -> float:
-        comm.allreduce(t).wait()  # warm the connection
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            comm.allreduce(t).wait()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    measured = torch.tensor([timed(small), timed(large)], dtype=torch.float64, device=device)
-    slowest = _allreduce_max(comm, measured)
-    steps = 2 * (n - 1)
-    alpha_s = slowest[0] / steps
+    one = torch.zeros(1, device=device)
+    partner = comm.rank ^ 1  # recursive doubling's first partner; the odd rank out sits it out
+    collectives: dict[str, Callable[[], object]] = {
+        "allreduce": lambda: comm.allreduce(one).wait(),
+        "allgather": lambda: comm.allgather(one).wait(),
+        "all_to_all": lambda: comm.all_to_all([one] * n, [1] * n).wait(),
+        "sendrecv": lambda: comm.sendrecv(partner, one, 1) if partner < n else None,
+    }
+    large = torch.zeros(1 << 20, device=device)
+    times = [_median_time(run, repeats) for run in collectives.values()]
+    times.append(_median_time(lambda: comm.allreduce(large).wait(), repeats))
+    slowest = _max_over_ranks(comm, torch.tensor(times, dtype=torch.float64, device=device))
+    round_s = dict(zip(collectives, slowest, strict=False))
     ring_nbytes = 2 * (n - 1) / n * large.nbytes
-    bandwidth = ring_nbytes / max(slowest[1] - slowest[0], 1e-9)
-    return Network(alpha_s=alpha_s, bandwidth_Bps=bandwidth)
+    return Network(
+        alpha_s=round_s["allreduce"] / (2 * (n - 1)),
+        bandwidth_Bps=ring_nbytes / max(slowest[-1] - round_s["allreduce"], 1e-9),
+        round_s=round_s,
+    )
+
+
+def _median_time(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm the connection
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @dataclass
@@ -169,7 +181,7 @@ def _overlap(parts: Sequence[SparseRows]) -> float:
     return statistics.fmean(ratios) if ratios else 0.0
 
 
-def _allreduce_max(comm: Comm, values: torch.Tensor) -> list[float]:
+def _max_over_ranks(comm: Comm, values: torch.Tensor) -> list[float]:
     """The elementwise max over ranks, by an allgather (Comm's allreduce only sums)."""
     gathered = torch.stack(comm.allgather(values).wait())
     return gathered.max(dim=0).values.tolist()

@@ -157,6 +157,15 @@ def test_the_selector_choices_are_saved_and_restored(trained: list[dict]) -> Non
     assert state.state_dict()["sparse"] == saved["sparse"]
 
 
+def test_every_rank_calibrates_the_same_network_with_each_collectives_round(trained: list[dict]) -> None:
+    networks = [rank_out[True, "auto"][1]["saved"]["sparse"]["network"] for rank_out in trained]
+    assert all(network == networks[0] for network in networks)  # the slowest rank's times
+    rounds = networks[0]["round_s"]
+    assert set(rounds) == {"allreduce", "allgather", "all_to_all", "sendrecv"}
+    assert all(seconds > 0 for seconds in rounds.values())
+    assert networks[0]["bandwidth_Bps"] > 0
+
+
 def test_a_topk_payload_is_averaged_alike_by_every_scheme(topk: list[dict]) -> None:
     for rank_out in topk:
         reference, _ = rank_out["agsparse"]
