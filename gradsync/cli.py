@@ -1,4 +1,4 @@
-"""Command line: `gradsync list | demo | bench kernels|train | testbed up|down|status`.
+"""Command line: `gradsync list | demo | bench kernels|train|sparse | testbed up|down|status`.
 
 `python -m gradsync ...` works the same.
 """
@@ -30,16 +30,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.add_argument("--steps", type=int, default=None, help="training steps per run (default: the demo's)")
     demo.add_argument("--loopback", action="store_true", help="skip the emulated network")
-    bench = commands.add_parser("bench", help="benchmarks: kernels, train")
+    bench = commands.add_parser("bench", help="benchmarks: kernels, train, sparse")
     benches = bench.add_subparsers(dest="bench", required=True)
     # One entry per benchmark, each with its own parser for its own errors.
-    bench_parsers = {"kernels": _add_bench_kernels(benches), "train": _add_bench_train(benches)}
+    bench_parsers = {
+        "kernels": _add_bench_kernels(benches),
+        "train": _add_bench_train(benches),
+        "sparse": _add_bench_sparse(benches),
+    }
     testbed_parser = _add_testbed(commands)
     args = parser.parse_args(argv)
     if args.command == "list":
         return _list(args.json)
     if args.command == "bench":
-        run_bench = {"kernels": _bench_kernels, "train": _bench_train}[args.bench]
+        run_bench = {"kernels": _bench_kernels, "train": _bench_train, "sparse": _bench_sparse}[args.bench]
         return run_bench(args, bench_parsers[args.bench])
     if args.command == "testbed":
         return _testbed(args, testbed_parser)
@@ -254,6 +258,101 @@ def run_training_bench(
         return 1
     print(report.table(document))
     for path in report.write(document, out):
+        say(f"wrote {path}")
+    return 0
+
+
+def _add_bench_sparse(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from .bench.sparse import SCHEMES, SparseBenchOptions
+
+    defaults = SparseBenchOptions.__dataclass_fields__
+    sparse = benches.add_parser(
+        "sparse",
+        help="the sparse exchange schemes timed on embedding-gradient and Zipf rows, and their traffic model",
+        description="Every scheme of gradsync.sparse (and balanced with an index-range partition) "
+        "exchanges the same rows, one process per rank (gloo); each input's sparsity is measured and "
+        "each scheme's traffic modelled for 2 to --model-workers workers. Writes results.json, "
+        "results.md and PNG plots.",
+    )
+    sparse.add_argument("--hosts", type=int, default=defaults["hosts"].default, help="ranks (default 8)")
+    where = sparse.add_mutually_exclusive_group()
+    where.add_argument(
+        "--testbed",
+        action="store_true",
+        help="one rank per host of an emulated network (the one up, or one built for this run)",
+    )
+    where.add_argument("--loopback", action="store_true", help="all ranks on loopback (the default)")
+    sparse.add_argument("--bandwidth", default="1gbit", help="per-link rate of a testbed built for the run")
+    sparse.add_argument("--latency", default="0.2ms", help="one-way latency of a testbed built for the run")
+    sparse.add_argument("--no-probe", action="store_true", help="skip the testbed's bandwidth probe")
+    sparse.add_argument(
+        "--inputs",
+        default=",".join(defaults["inputs"].default),
+        help="comma-separated: embed-lm, zipf, with options as in zipf:rows=65536:width=8:density=0.02:s=1.2 "
+        "or embed-lm:batch_size=128 (default %(default)s)",
+    )
+    sparse.add_argument(
+        "--schemes", default=",".join(SCHEMES), help="comma-separated subset of %(default)s (default all)"
+    )
+    sparse.add_argument("--reps", type=int, default=defaults["reps"].default, help="timed exchanges (10)")
+    sparse.add_argument("--warmup", type=int, default=defaults["warmup"].default, help="untimed first (2)")
+    sparse.add_argument("--seed", type=int, default=0)
+    sparse.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    sparse.add_argument(
+        "--model-workers",
+        type=int,
+        default=defaults["model_workers"].default,
+        help="the traffic model's largest worker count (default %(default)s)",
+    )
+    sparse.add_argument("--timeout", type=float, default=900, help="seconds per input before giving up")
+    sparse.add_argument("--out", default="runs/bench-sparse", help="output folder (default %(default)s)")
+    return sparse
+
+
+def _bench_sparse(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import testbed
+    from .bench import sparse
+
+    try:
+        options = sparse.SparseBenchOptions(
+            hosts=args.hosts,
+            inputs=tuple(_comma_list(args.inputs)),
+            schemes=tuple(_comma_list(args.schemes)),
+            reps=args.reps,
+            warmup=args.warmup,
+            seed=args.seed,
+            threads=args.threads,
+            model_workers=args.model_workers,
+            timeout_s=args.timeout,
+        )
+        testbed.parse_bandwidth(args.bandwidth)
+        testbed.parse_latency(args.latency)
+        for text in options.inputs:
+            sparse.Source(sparse.parse_input(text), options.seed)  # bad workload options fail here
+    except (KeyError, TypeError, ValueError) as err:
+        parser.error(str(err).strip("'\""))
+    return run_sparse_bench(options, args.testbed, args.bandwidth, args.latency, not args.no_probe, args.out)
+
+
+def run_sparse_bench(
+    options: Any, use_testbed: bool, bandwidth: str, latency: str, probe: bool, out: str
+) -> int:
+    """Run the sparse exchange benchmark (on a testbed when asked and possible), print and write results."""
+    from .bench import sparse, train
+    from .testbed import TestbedError
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    try:
+        with contextlib.ExitStack() as stack:
+            network = train.open_network(stack, use_testbed, options.hosts, bandwidth, latency, probe, say)
+            document = sparse.run(options, network, say)
+    except (ValueError, TestbedError, train.BenchError) as err:
+        say(f"gradsync: error: {err}")  # the testbed, if one was built for the run, is gone already
+        return 1
+    print(sparse.table(document))
+    for path in sparse.write(document, out):
         say(f"wrote {path}")
     return 0
 
