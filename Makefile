@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo bench-kernels bench-train bench-sparse test test-all lint clean
+.PHONY: demo bench-kernels bench-train bench-train-embed-lm bench-sparse test test-all lint clean
 
 # gpt-tiny on 4 ranks: plain DDP vs gradsync top-k on the emulated 1 Gbit/s testbed (as root with
 # iproute2; loopback with a warning otherwise). Prints the table; plots go to runs/demo/.
@@ -19,6 +19,13 @@ bench-train: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload mlp-wide --world 4 --testbed \
 		--strategies ddp,torch-fp16,torch-powersgd,topk --steps 300 --eval-every 25 \
 		--out docs/bench-train-mlp-wide
+
+# embed-lm (a dense 32768-word embedding) on 4 testbed hosts at 1 Gbit/s: DDP vs gradsync without
+# compression, whose hook sends the embedding's rows by gradsync.sparse (auto, or forced schemes).
+bench-train-embed-lm: $(STAMP)
+	$(BIN)/python -m gradsync bench train --workload embed-lm --world 4 --testbed \
+		--strategies ddp,none,none:sparse=balanced,none:sparse=dense --steps 100 --eval-every 25 \
+		--out docs/bench-train-embed-lm
 
 # The sparse exchange benchmark behind README's sparse table: dense, agsparse, balanced (Zen),
 # hierarchical (SparCML) and an index-range partition on 8 testbed hosts at 1 Gbit/s, on embed-lm's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +52,23 @@ def conditions(document: dict[str, Any]) -> str:
 
 def write(document: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """results.json, results.md and the plots in `out_dir`; returns the paths written."""
+    return write_results(document, out_dir, table, plots)
+
+
+def write_results(
+    document: dict[str, Any],
+    out_dir: str | Path,
+    markdown: Callable[[dict[str, Any]], str],
+    draw: Callable[[dict[str, Any], Path], list[Path]],
+) -> list[Path]:
+    """A benchmark's results.json, results.md (`markdown` of the document) and the plots `draw`
+    makes, in `out_dir`; returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "results.md"]
     paths[0].write_text(json.dumps(document, indent=1))
-    paths[1].write_text(table(document) + "\n")
-    return paths + plots(document, out)
+    paths[1].write_text(markdown(document) + "\n")
+    return paths + draw(document, out)
 
 
 def plots(document: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -53,7 +53,7 @@ from ..sparse import HashPartition, Partition, RangePartition, SparseRows, cost
 from ..sparse.hashing import imbalance, pull_index_nbytes
 from ..testbed import MAX_HOSTS
 from ..workloads.base import generator_for
-from . import train
+from . import report, train
 from .strategies import parse_value
 
 # Table order; "range" is balanced with an index-range partition.
@@ -584,12 +584,7 @@ def conditions(document: dict[str, Any]) -> str:
 
 def write(document: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """results.json, results.md, sparse-times.png and sparse-model.png in `out_dir`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "results.md"]
-    paths[0].write_text(json.dumps(document, indent=1))
-    paths[1].write_text(table(document) + "\n")
-    return paths + plots(document, out)
+    return report.write_results(document, out_dir, table, plots)
 
 
 _COLORS = {

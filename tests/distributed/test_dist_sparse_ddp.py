@@ -24,7 +24,7 @@ from gradsync import sparse
 
 WORLD = 3
 SCHEMES = ["auto", *sparse.names()]
-VOCAB, DIM, CONTEXT, CLASSES = 1 << 18, 8, 4, 16  # a dense allreduce of 8 MB loses to sparse
+VOCAB, DIM, CONTEXT, CLASSES = 1 << 19, 8, 4, 16  # a dense allreduce of 16 MB loses to sparse
 STEPS = 4
 
 
