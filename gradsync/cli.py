@@ -184,17 +184,23 @@ def _add_bench_train(benches: argparse._SubParsersAction) -> argparse.ArgumentPa
     )
     train.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     train.add_argument("--timeout", type=float, default=1800, help="seconds per strategy before giving up")
-    train.add_argument(
+    _add_network_options(train, train)
+    train.add_argument("--out", default="runs/bench-train", help="output folder (default %(default)s)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return train
+
+
+def _add_network_options(parser: argparse.ArgumentParser, testbed_group: Any) -> None:
+    """--testbed (into `testbed_group`, which may exclude --loopback) and the options of a
+    testbed built for the run, shared by the benchmarks that run ranks."""
+    testbed_group.add_argument(
         "--testbed",
         action="store_true",
         help="one rank per host of an emulated network (the one up, or one built for this run)",
     )
-    train.add_argument("--bandwidth", default="1gbit", help="per-link rate of a testbed built for the run")
-    train.add_argument("--latency", default="0.2ms", help="one-way latency of a testbed built for the run")
-    train.add_argument("--no-probe", action="store_true", help="skip the testbed's bandwidth probe")
-    train.add_argument("--out", default="runs/bench-train", help="output folder (default %(default)s)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return train
+    parser.add_argument("--bandwidth", default="1gbit", help="per-link rate of a testbed built for the run")
+    parser.add_argument("--latency", default="0.2ms", help="one-way latency of a testbed built for the run")
+    parser.add_argument("--no-probe", action="store_true", help="skip the testbed's bandwidth probe")
 
 
 def _bench_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -276,15 +282,8 @@ def _add_bench_sparse(benches: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     sparse.add_argument("--hosts", type=int, default=defaults["hosts"].default, help="ranks (default 8)")
     where = sparse.add_mutually_exclusive_group()
-    where.add_argument(
-        "--testbed",
-        action="store_true",
-        help="one rank per host of an emulated network (the one up, or one built for this run)",
-    )
     where.add_argument("--loopback", action="store_true", help="all ranks on loopback (the default)")
-    sparse.add_argument("--bandwidth", default="1gbit", help="per-link rate of a testbed built for the run")
-    sparse.add_argument("--latency", default="0.2ms", help="one-way latency of a testbed built for the run")
-    sparse.add_argument("--no-probe", action="store_true", help="skip the testbed's bandwidth probe")
+    _add_network_options(sparse, where)
     sparse.add_argument(
         "--inputs",
         default=",".join(defaults["inputs"].default),
