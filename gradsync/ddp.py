@@ -233,10 +233,9 @@ class SyncState:
             )
             mean_rows = comm.allreduce(counts.to(buffer.device)).wait().cpu() / comm.world_size
             for seg, rows in zip(due, mean_rows.tolist(), strict=True):
-                table = seg.rows(flat)
-                like = SparseRows(torch.empty(0, dtype=torch.int64), table[:0], table.shape[0])
+                density = rows / seg.num_rows
                 seg.sparse = not self.sparse.choose_dense(
-                    seg.key, rows / table.shape[0], like, comm.world_size, step
+                    seg.key, density, seg.rows(flat), comm.world_size, step
                 )
         for seg in segments:
             if seg not in due:

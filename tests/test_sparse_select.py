@@ -94,7 +94,7 @@ def test_auto_gathers_on_decision_steps_and_then_runs_the_choice() -> None:
 
 def test_choose_dense_decides_without_gathering_only_where_sparse_cannot_win() -> None:
     router = Router("auto", every=10, seed=0)
-    like = rows_at([], width=16)
+    like = torch.zeros(NUM_ROWS, 16)
     assert router.choose_dense("dense", 0.9, like, n=4, step=0)
     assert router.selector.choices["dense"].scheme == "dense"
     assert not router.choose_dense("sparse", 0.001, like, n=4, step=0)
@@ -123,4 +123,4 @@ def test_a_small_dense_tensor_of_a_bucket_stays_in_the_buckets_allreduce() -> No
     assert in_bucket.scheme == "dense"
     router = Router("auto", every=10, seed=0)
     router.selector.network = slow_rounds
-    assert router.choose_dense("b", 1.0, bias[0], n=8, step=0)
+    assert router.choose_dense("b", 1.0, bias[0].to_dense(), n=8, step=0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from ..comm import Comm
 from . import exchange
 from .agsparse import gather
@@ -49,17 +51,16 @@ class Router:
         self._record(key, step, rows, result)
         return result
 
-    def choose_dense(self, key: str, density: float, like: SparseRows, n: int, step: int) -> bool:
-        """For "auto": whether `key`, a tensor of an uncompressed bucket at mean density
-        `density`, goes dense without measuring more.
+    def choose_dense(self, key: str, density: float, table: torch.Tensor, n: int, step: int) -> bool:
+        """For "auto": whether `key`, a [num_rows, width] `table` of an uncompressed bucket whose
+        rows are non-zero at mean density `density`, goes dense without measuring more.
 
         Even with perfect overlap (no densification) a sparse scheme cannot beat dense here, where
         dense costs only its bytes since it joins the bucket's allreduce; so there is nothing to
         gather. The decision is recorded like any other.
         """
-        best_case = Sparsity(
-            like.num_rows, like.width, like.values.element_size(), {m: density for m in _sizes(n)}
-        )
+        num_rows, width = table.shape
+        best_case = Sparsity(num_rows, width, table.element_size(), {m: density for m in _sizes(n)})
         if fastest(best_case, n, self.selector.network or Network(), dense_latency=False) != "dense":
             return False
         self.selector.choices[key] = Choice("dense", step, None)
