@@ -221,16 +221,19 @@ def test_a_failing_rank_raises_with_its_log_and_no_process_survives(tmp_path: Pa
             "import sys; print('boom: bad things', file=sys.stderr); sys.exit(3)",
         ],
     )
-    with pytest.raises(train.BenchError) as err, train._ranks(network, [], 2, 12345, logs) as procs:
-        train._follow(procs, logs, timeout_s=30, bar=None, name="test")
+    with pytest.raises(train.BenchError) as err, train.launch_ranks(network, [], 2, 12345, logs) as procs:
+        train.follow_ranks(procs, logs, timeout_s=30, bar=None, name="test")
     assert "rank(s) [1]" in str(err.value) and "boom: bad things" in str(err.value)
     assert all(p.poll() is not None for p in procs)  # the sleeping rank was killed too
 
 
 def test_a_run_past_its_timeout_is_stopped(tmp_path: Path):
     network, logs = _script_ranks(tmp_path, ["import time; time.sleep(60)"])
-    with pytest.raises(train.BenchError, match="timeout"), train._ranks(network, [], 1, 12345, logs) as procs:
-        train._follow(procs, logs, timeout_s=1, bar=None, name="test")
+    with (
+        pytest.raises(train.BenchError, match="timeout"),
+        train.launch_ranks(network, [], 1, 12345, logs) as procs,
+    ):
+        train.follow_ranks(procs, logs, timeout_s=1, bar=None, name="test")
     assert procs[0].poll() is not None
 
 

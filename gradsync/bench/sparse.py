@@ -383,10 +383,6 @@ def winner_ranges(points: Sequence[dict[str, Any]], key: str = "least_bytes") ->
 # -- summary (pure) -------------------------------------------------------------------------------
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    return train._quantile(list(values), q)
-
-
 def summarize_input(
     raw: dict[str, Any], measured: dict[str, Any], at_hosts: dict[str, Any], points: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -401,7 +397,7 @@ def summarize_input(
             {
                 "scheme": s["scheme"],
                 "median_s": statistics.median(s["seconds"]),
-                "p90_s": quantile(s["seconds"], 0.9),
+                "p90_s": train.quantile(s["seconds"], 0.9),
                 "seconds": s["seconds"],
                 "cpu_median_s": statistics.median(s["cpu_seconds"]),
                 "cpu_user_median_s": _median_or_none(s.get("cpu_user_seconds")),
@@ -836,7 +832,7 @@ def run(
         "options": asdict(options),
         "network": network.to_dict(),
         "model_network": {"alpha_s": net.alpha_s, "bandwidth_Bps": net.bandwidth_Bps},
-        "machine": train._machine(),
+        "machine": train.machine(),
         "source": {**source_before, "changed_during_run": source_state() != source_before},
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "command": " ".join(sys.argv) if sys.argv and sys.argv[0] else None,
@@ -887,10 +883,10 @@ def _run_input(
     job_path.write_text(json.dumps(job))
     argv = [sys.executable, "-m", "gradsync.bench.sparse_worker", str(job_path)]
     logs = [tmp / f"input{index}-rank{rank}.log" for rank in range(options.hosts)]
-    port = train._master_port(network)
+    port = train.master_port(network)
     try:
-        with train._ranks(network, argv, options.hosts, port, logs) as procs:
-            train._follow(procs, logs, options.timeout_s, None, spec.text)
+        with train.launch_ranks(network, argv, options.hosts, port, logs) as procs:
+            train.follow_ranks(procs, logs, options.timeout_s, None, spec.text)
     except train.BenchError as err:  # its messages name a training strategy
         raise train.BenchError(
             str(err).replace(f"strategy {spec.text!r}", f"input {spec.text!r}", 1)

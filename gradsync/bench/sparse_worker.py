@@ -29,7 +29,7 @@ from ..comm import TorchComm, allgather_object
 from ..sparse import SparseResult, exchange
 from ..sparse.select import calibrate
 from .sparse import ATOL_SCALE, RTOL, Source, base_scheme, parse_input, partition_for
-from .worker import _TxCounter
+from .worker import TxCounter
 
 
 class SumMismatch(RuntimeError):
@@ -68,7 +68,7 @@ def bench(job: dict[str, Any], comm: TorchComm) -> dict[str, Any]:
     # This network's rounds (each collective's latency) and bandwidth, as the DDP selector
     # calibrates them.
     network = calibrate(comm, _CPU)
-    tx = _TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
+    tx = TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
     schemes = []
     for scheme in job["schemes"]:
         partition = partition_for(scheme, rows.num_rows, n)  # built once, as DDP's router keeps it

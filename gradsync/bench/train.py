@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,7 +147,7 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
         "params": workload.num_params(),
         "options": asdict(options),
         "network": network.to_dict(),
-        "machine": _machine(),
+        "machine": machine(),
         "command": " ".join(sys.argv) if sys.argv and sys.argv[0] else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -175,7 +175,7 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
             {
                 **r,
                 "step_median_s": step_median,
-                "step_p90_s": _quantile(steady, 0.9),
+                "step_p90_s": quantile(steady, 0.9),
                 "samples_per_s": r["samples_per_step"] / step_median,
                 "bytes_per_step": statistics.median(r["bytes_sent"][options.steady_from :]),
                 "final_loss": r["evals"][-1]["loss"],
@@ -223,18 +223,18 @@ def _run_one(
     }
     spec_path = tmp / f"spec{index}.json"
     spec_path.write_text(json.dumps(spec))
-    port = _master_port(network)
+    port = master_port(network)
     argv = [sys.executable, "-m", "gradsync.bench.worker", str(spec_path)]
     logs = [tmp / f"run{index}-rank{rank}.log" for rank in range(options.world_size)]
-    with _ranks(network, argv, options.world_size, port, logs) as procs:
-        _follow(procs, logs, options.timeout_s, bar, strategy)
+    with launch_ranks(network, argv, options.world_size, port, logs) as procs:
+        follow_ranks(procs, logs, options.timeout_s, bar, strategy)
     if bar is not None:
         bar.close()
     return json.loads(out.read_text())
 
 
 @contextlib.contextmanager
-def _ranks(
+def launch_ranks(
     network: Network, argv: list[str], world_size: int, port: int, logs: list[Path]
 ) -> Iterator[list[subprocess.Popen]]:
     """Start one process per rank; whatever happens (error, Ctrl-C), none outlives the block."""
@@ -274,7 +274,7 @@ def _ranks(
                 proc.stdout.close()
 
 
-def _follow(
+def follow_ranks(
     procs: list[subprocess.Popen], logs: list[Path], timeout_s: float, bar: ProgressBar | None, name: str
 ) -> None:
     """Show rank 0's per-step lines until every rank exits; raise if one fails or time runs out."""
@@ -318,7 +318,7 @@ def _failure(name: str, failed: list[int], procs: list[subprocess.Popen], logs: 
     return "\n".join(parts)
 
 
-def _master_port(network: Network) -> int:
+def master_port(network: Network) -> int:
     if network.testbed is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -326,12 +326,12 @@ def _master_port(network: Network) -> int:
     return testbed.free_port(network.testbed.hosts[0])  # rank 0's namespace has its own ports
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     return {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

@@ -55,7 +55,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     installed = strategies.Installed(strategy, model)
     optimizer = workload.recommended_optimizer(model.parameters())
     steps, steady_from = spec["steps"], spec["steady_from"]
-    tx = _TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
+    tx = TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
 
     evals = [_evaluate(workload, model, rank, world_size, step=0, wall_s=0.0)]
     step_s: list[float] = []
@@ -145,7 +145,7 @@ def _compute_only(
     return seconds
 
 
-class _TxCounter:
+class TxCounter:
     """Bytes this rank's network interface transmitted: the real traffic, headers included.
 
     Only meaningful on a testbed host, where the interface is this rank's own; on loopback every
