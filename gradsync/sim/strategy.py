@@ -1,0 +1,249 @@
+"""How one group of gradients is exchanged, and what each phase of that costs on a cluster.
+
+A strategy is written `codec[:key=value...]`, with the codec's own arguments plus:
+  exchange=allreduce|allgather|hierarchical   the collective; default: allreduce when the codec's
+                                              payloads are summable, allgather otherwise
+  on=device|cpu                               where (de)compression runs; cpu offloads it to a
+                                              CPU thread, paying the host link both ways
+`fp32` (or `none`) is the plain allreduce; `fp16`, `topk:ratio=0.01`, `qsgd:exchange=hierarchical`
+are others. A group's strategy becomes a list of phases (`Phase`): work on the worker's device
+or CPU, or a transfer on the intra-node or inter-node links, which the simulator lays out in time.
+
+Hierarchical (two-level) exchange, as Espresso's and HiTopKComm's: summable payloads are allreduced
+in two levels; other payloads are reduce-scattered in fp32 inside the node, each worker compresses
+its 1/g share, the shares' payloads are allgathered across nodes and decoded, and the node
+allgathers the decoded shares in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from .. import compress, cost
+from ..bench.strategies import parse_value
+from ..config import NO_COMPRESSION
+from .cluster import KERNEL_S, Cluster
+
+EXCHANGES = ("allreduce", "allgather", "hierarchical")
+PLACES = ("device", "cpu")
+FP32_NAMES = ("fp32", NO_COMPRESSION)
+
+# A codec's compress cost on a GPU, modelled from its kernels: (kernel launches, bytes moved per
+# fp32 input byte). Counted from the implementations' tensor passes, not measured (no GPU here); a
+# profile measured on the GPU replaces them. Unlisted codecs take _DEFAULT_COMPRESS.
+_COMPRESS_COST: dict[str, tuple[int, float]] = {
+    "identity": (0, 0.0),
+    "fp16": (1, 1.5),  # read 4 bytes, write 2
+    "bf16": (1, 1.5),
+    "topk": (6, 6.0),  # |x|, a sampled threshold, a select and a gather
+    "randk": (3, 1.2),
+    "dgc": (8, 6.0),
+    "int8": (3, 2.5),
+    "qsgd": (5, 3.5),
+    "signsgd": (3, 2.1),
+    "efsignsgd": (4, 3.1),
+}
+_DEFAULT_COMPRESS = (5, 4.0)
+_DECODE_KERNELS = 2  # unpack, then add into the sum
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One group's exchange: a codec with its arguments, a collective and where codecs run."""
+
+    codec: str = NO_COMPRESSION
+    args: tuple[tuple[str, Any], ...] = ()
+    exchange: str = "allreduce"
+    on: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
+        if self.on not in PLACES:
+            raise ValueError(f"on={self.on!r} is not one of {PLACES}")
+        if self.compressed:
+            codec = _codec(self.codec, self.args)  # unknown names and arguments fail here
+            if self.exchange == "allreduce" and not type(codec).summable:
+                raise ValueError(
+                    f"strategy {self.text!r}: {self.codec}'s payloads are not summable, so they cannot "
+                    "be allreduced; use exchange=allgather or exchange=hierarchical"
+                )
+        elif self.on == "cpu":
+            raise ValueError(f"strategy {self.text!r}: nothing to offload without a codec; drop on=cpu")
+
+    @property
+    def compressed(self) -> bool:
+        return self.codec != NO_COMPRESSION
+
+    @property
+    def spec(self) -> str:
+        """The codec with its arguments, as gradsync.profile names measured fits: `topk:ratio=0.01`."""
+        return ":".join([self.codec, *(f"{k}={v}" for k, v in self.args)])
+
+    @property
+    def text(self) -> str:
+        name = "fp32" if not self.compressed else self.spec
+        default = "allreduce" if not self.compressed else _default_exchange(self.codec, self.args)
+        extra = [f"exchange={self.exchange}"] if self.exchange != default else []
+        extra += [f"on={self.on}"] if self.on != "device" else []
+        return ":".join([name, *extra])
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes one worker's payload for `numel` fp32 elements takes on the wire."""
+        if not self.compressed:
+            return 4 * numel
+        return _codec(self.codec, self.args).payload_bytes(numel)
+
+
+def parse(text: str) -> Strategy:
+    """A Strategy from `codec[:key=value...]`; unknown names and options raise ValueError."""
+    name, *items = text.strip().split(":")
+    if not name:
+        raise ValueError(f"strategy {text!r} names no codec; e.g. 'fp32', 'fp16' or 'topk:ratio=0.01'")
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"strategy {text!r}: option {item!r} is not key=value, e.g. 'ratio=0.01'")
+        options[key] = parse_value(value)
+    exchange = options.pop("exchange", None)
+    on = options.pop("on", "device")
+    codec = NO_COMPRESSION if name in FP32_NAMES else name
+    if codec == NO_COMPRESSION:
+        if options:
+            raise ValueError(f"strategy {text!r}: fp32 takes no codec options, got {sorted(options)}")
+    elif codec not in compress.names():
+        raise ValueError(
+            f"strategy {text!r}: unknown codec {name!r}; choose fp32 or one of {compress.names()}"
+        )
+    args = tuple(sorted(options.items()))
+    try:
+        if exchange is None:
+            exchange = "allreduce" if codec == NO_COMPRESSION else _default_exchange(codec, args)
+        return Strategy(codec, args, exchange, on)
+    except (TypeError, KeyError) as error:
+        raise ValueError(f"strategy {text!r}: {error}") from None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One piece of a group's exchange on one resource.
+
+    resource: "device" or "cpu" (per worker), "net" (a flat collective: every link of every node),
+    "intra" (each node's own intra-node links) or "inter" (the links between nodes).
+    """
+
+    resource: str
+    label: str
+    seconds: float
+
+
+def phases(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
+    """The phases of exchanging one group of `numel` fp32 elements, in order."""
+    n, g = cluster.world_size, cluster.gpus_per_node
+    if n == 1:
+        return []
+    if strategy.exchange == "hierarchical" and cluster.nodes > 1 and g > 1:
+        return _hierarchical(strategy, numel, cluster)
+    payload = strategy.payload_bytes(numel)
+    steps: list[Phase] = []
+    if strategy.compressed:
+        steps += _codec_phase(strategy, "compress", numel, cluster, 1)
+    if strategy.exchange == "allgather":
+        steps.append(Phase("net", "allgather", _collective(cluster, "allgather", payload, n)))
+        decodes = n  # every worker's payload is decoded and added
+    else:
+        steps.append(Phase("net", "allreduce", _collective(cluster, "allreduce", payload, n)))
+        decodes = 1  # the payloads were summed on the way
+    if strategy.compressed:
+        steps += _codec_phase(strategy, "decompress", numel, cluster, decodes)
+    return steps
+
+
+def _hierarchical(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
+    g, nodes = cluster.gpus_per_node, cluster.nodes
+    # The g workers of a node run their inter-node rings at once: each gets 1/g of the NIC.
+    share = cost.Link(cluster.inter.alpha_s, cluster.inter.bandwidth_Bps / g)
+    if not strategy.compressed or _summable(strategy):
+        payload = strategy.payload_bytes(numel)
+        steps = _codec_phase(strategy, "compress", numel, cluster, 1) if strategy.compressed else []
+        steps += [
+            Phase("intra", "reduce-scatter", cost.reduce_scatter_s(payload, g, cluster.intra)),
+            Phase("inter", "allreduce", cost.ring_allreduce_s(payload / g, nodes, share)),
+            Phase("intra", "allgather", cost.allgather_equal_s(payload / g, g, cluster.intra)),
+        ]
+        if strategy.compressed:
+            steps += _codec_phase(strategy, "decompress", numel, cluster, 1)
+        return steps
+    shard = math.ceil(numel / g)
+    return [
+        Phase("intra", "reduce-scatter", cost.reduce_scatter_s(4 * numel, g, cluster.intra)),
+        *_codec_phase(strategy, "compress", shard, cluster, 1),
+        Phase("inter", "allgather", cost.allgather_equal_s(strategy.payload_bytes(shard), nodes, share)),
+        *_codec_phase(strategy, "decompress", shard, cluster, nodes),
+        Phase("intra", "allgather", cost.allgather_equal_s(4 * shard, g, cluster.intra)),
+    ]
+
+
+def _collective(cluster: Cluster, name: str, nbytes_per_rank: float, n: int) -> float:
+    if cluster.collectives is not None:
+        return cluster.collectives[name](nbytes_per_rank)
+    link = cluster.inter if cluster.nodes > 1 else cluster.intra  # a flat ring crosses every NIC
+    if name == "allgather":
+        return cost.allgather_equal_s(nbytes_per_rank, n, link)
+    # NCCL picks ring or tree per size: the tree's log-depth latency wins for small tensors on
+    # many workers, the ring's bandwidth for large ones.
+    return min(
+        cost.ring_allreduce_s(nbytes_per_rank, n, link), cost.tree_allreduce_s(nbytes_per_rank, n, link)
+    )
+
+
+def _codec_phase(strategy: Strategy, which: str, numel: int, cluster: Cluster, payloads: int) -> list[Phase]:
+    seconds = codec_seconds(strategy, which, numel, cluster, payloads)
+    if strategy.on == "cpu":
+        # The fp32 data crosses the host link to the CPU and back (compress: out; decompress: in).
+        seconds += 4 * numel / cluster.device.pcie_Bps
+    return [Phase(strategy.on, which, seconds)]
+
+
+def codec_seconds(strategy: Strategy, which: str, numel: int, cluster: Cluster, payloads: int = 1) -> float:
+    """Seconds to compress `numel` elements, or to decode `payloads` payloads of them into one sum,
+    on the strategy's place (the device or a CPU thread)."""
+    measured = cluster.compression
+    if measured is not None:
+        fits = measured.get(strategy.spec)
+        if fits is None:
+            raise KeyError(
+                f"the profile has no measured cost for {strategy.spec!r}; it measured {sorted(measured)}. "
+                "Profile that codec too (gradsync.profile.run(..., compressors=[...]))"
+            )
+        # A measured decode is of one payload into a fresh tensor; each payload pays it.
+        return fits[which](numel) * (payloads if which == "decompress" else 1)
+    bandwidth = cluster.cpu_Bps if strategy.on == "cpu" else cluster.device.memory_Bps
+    launch = 0.0 if strategy.on == "cpu" else KERNEL_S
+    if which == "compress":
+        kernels, passes = _COMPRESS_COST.get(strategy.codec, _DEFAULT_COMPRESS)
+        return kernels * launch + passes * 4 * numel / bandwidth
+    # Decoding reads each payload and adds it into the sum: every element for a dense codec, only
+    # the sent ones (8 bytes each: index and value, as in the payload) for a sparsifier.
+    payload = strategy.payload_bytes(numel)
+    touched = payload if _codec(strategy.codec, strategy.args).sparse_rows else 8 * numel
+    per_payload = _DECODE_KERNELS * launch + (payload + touched) / bandwidth
+    return 4 * numel / bandwidth + payloads * per_payload  # zero the sum once, then add each
+
+
+def _summable(strategy: Strategy) -> bool:
+    return type(_codec(strategy.codec, strategy.args)).summable
+
+
+def _default_exchange(codec: str, args: tuple[tuple[str, Any], ...]) -> str:
+    return "allreduce" if type(_codec(codec, args)).summable else "allgather"
+
+
+@lru_cache(maxsize=256)
+def _codec(name: str, args: tuple[tuple[str, Any], ...]) -> compress.Compressor:
+    """A codec instance, to ask its declared payload size and flags; cached: the simulator asks often."""
+    return compress.build(name, **dict(args))

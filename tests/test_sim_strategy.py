@@ -1,0 +1,161 @@
+"""Simulator strategies, phases and groupings: parsing, costs against the formulas, and errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync import compress, cost
+from gradsync.sim import cluster as clusters
+from gradsync.sim import groups
+from gradsync.sim.strategy import Strategy, codec_seconds, parse, phases
+
+
+def test_parse_round_trips_through_text():
+    for text in [
+        "fp32",
+        "fp16",
+        "qsgd",
+        "topk:ratio=0.01",
+        "fp16:exchange=hierarchical",
+        "dgc:on=cpu",
+        "qsgd:exchange=hierarchical:on=cpu",
+    ]:
+        assert parse(parse(text).text) == parse(text)
+    assert parse("none") == parse("fp32") == Strategy()
+    assert parse("qsgd").exchange == "allgather"  # not summable
+    assert parse("fp16").exchange == "allreduce"  # summable
+    assert parse("topk:ratio=0.01").args == (("ratio", 0.01),)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("nope", "unknown codec 'nope'"),
+        ("qsgd:exchange=allreduce", "not summable"),
+        ("fp16:exchange=ring", "exchange='ring'"),
+        ("fp32:on=cpu", "nothing to offload"),
+        ("fp16:on=gpu", "on='gpu'"),
+        ("topk:ratio", "not key=value"),
+        ("topk:colour=red", "colour"),
+        ("fp32:ratio=0.1", "takes no codec options"),
+        (":x=1", "names no codec"),
+    ],
+)
+def test_bad_strategies_are_refused_by_name(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse(text)
+
+
+@pytest.mark.parametrize("name", compress.names())
+def test_payload_bytes_are_the_codecs_own(name):
+    if name == "powersgd":
+        pytest.skip("PowerSGD's payload depends on the tensor's matrix shape, not only its numel")
+    strategy = Strategy(name, (), "allgather" if not compress.lookup(name).summable else "allreduce")
+    assert strategy.payload_bytes(12345) == compress.build(name).payload_bytes(12345)
+    assert Strategy().payload_bytes(12345) == 4 * 12345
+
+
+def test_flat_phases_use_the_faster_of_ring_and_tree_on_the_inter_node_link():
+    where = clusters.cluster(4, 8, "v100", "25gbit")
+    (big,) = phases(parse("fp32"), 10**8, where)
+    assert big.resource == "net"
+    assert big.seconds == pytest.approx(cost.ring_allreduce_s(4e8, 32, where.inter))  # bandwidth-bound
+    (small,) = phases(parse("fp32"), 10, where)
+    assert small.seconds == pytest.approx(cost.tree_allreduce_s(40, 32, where.inter))  # latency-bound
+    compress_, gather, decompress = phases(parse("qsgd"), 10**6, where)
+    payload = parse("qsgd").payload_bytes(10**6)
+    assert gather.seconds == pytest.approx(cost.allgather_equal_s(payload, 32, where.inter))
+    # Every worker's payload is decoded into the sum: 32 decodes.
+    assert decompress.seconds == pytest.approx(codec_seconds(parse("qsgd"), "decompress", 10**6, where, 32))
+    assert compress_.resource == decompress.resource == "device"
+
+
+def test_decoding_costs_grow_with_payloads_and_sparsifiers_touch_only_what_they_sent():
+    where = clusters.cluster(4, 8, "v100", "25gbit")
+    for text in ("qsgd", "topk:ratio=0.01"):
+        one, many = (codec_seconds(parse(text), "decompress", 10**8, where, p) for p in (1, 32))
+        assert many > one
+    dense = codec_seconds(parse("qsgd"), "decompress", 10**8, where, 32)
+    sparse = codec_seconds(parse("topk:ratio=0.01"), "decompress", 10**8, where, 32)
+    assert sparse < dense / 4
+
+
+def test_one_node_uses_the_intra_node_link():
+    where = clusters.cluster(1, 8, "a100", "25gbit")
+    (allreduce,) = phases(parse("fp32"), 10**6, where)
+    ring, tree = cost.ring_allreduce_s(4e6, 8, where.intra), cost.tree_allreduce_s(4e6, 8, where.intra)
+    assert allreduce.seconds == pytest.approx(min(ring, tree))
+
+
+def test_two_level_phases_split_the_nic_among_the_nodes_workers():
+    where = clusters.cluster(4, 8, "v100", "25gbit")
+    rs, inter, ag = phases(parse("fp32:exchange=hierarchical"), 8 * 10**6, where)
+    share = cost.Link(where.inter.alpha_s, where.inter.bandwidth_Bps / 8)
+    assert (rs.resource, inter.resource, ag.resource) == ("intra", "inter", "intra")
+    assert inter.seconds == pytest.approx(cost.ring_allreduce_s(4e6, 4, share))
+    total = rs.seconds + inter.seconds + ag.seconds
+    assert total == pytest.approx(cost.hierarchical_allreduce_s(32e6, 4, 8, where.intra, share))
+    # A non-summable codec compresses its 1/8 share after the intra-node reduce-scatter.
+    steps = phases(parse("qsgd:exchange=hierarchical"), 8 * 10**6, where)
+    assert [p.resource for p in steps] == ["intra", "device", "inter", "device", "intra"]
+    assert steps[2].seconds == pytest.approx(
+        cost.allgather_equal_s(parse("qsgd").payload_bytes(10**6), 4, share)
+    )
+
+
+def test_offloading_pays_the_host_link_and_runs_on_the_cpu():
+    where = clusters.cluster(2, 8, "v100", "25gbit")
+    on_device = phases(parse("topk:ratio=0.01"), 10**6, where)
+    on_cpu = phases(parse("topk:ratio=0.01:on=cpu"), 10**6, where)
+    assert on_cpu[0].resource == "cpu"
+    host = 4e6 / where.device.pcie_Bps
+    assert on_cpu[0].seconds == pytest.approx(
+        codec_seconds(parse("topk:ratio=0.01:on=cpu"), "compress", 10**6, where) + host
+    )
+    assert on_device[1].seconds == on_cpu[1].seconds  # the same transfer
+
+
+def test_a_world_of_one_exchanges_nothing():
+    assert phases(parse("qsgd"), 10**6, clusters.cluster(1, 1, "v100")) == []
+
+
+def test_ddp_buckets_follow_torchs_caps():
+    mib = 1 << 18  # fp32 elements in one MiB
+    numels = [mib // 2, mib // 2, 10 * mib, 10 * mib, 10 * mib, 1]
+    # The first bucket closes at 1 MiB, the next at 25 MiB (the tensor that crosses it included).
+    assert groups.ddp(numels) == [[0, 1], [2, 3, 4], [5]]
+    assert groups.ddp([]) == []
+
+
+def test_equal_groups_split_by_size():
+    assert groups.equal([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert groups.equal([1, 1, 1, 97], 2) == [[0, 1, 2], [3]]
+    assert groups.equal([5, 5], 4) == [[0], [1]]
+    assert groups.equal([5, 5, 5], 1) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="count=0"):
+        groups.equal([1], 0)
+
+
+def test_cuts_and_checks():
+    assert groups.from_cuts(5, [2, 4]) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="strictly increasing"):
+        groups.from_cuts(5, [4, 2])
+    groups.check([[0, 1], [2]], 3)
+    for bad in ([[0], [2]], [[1, 0], [2]], [[0, 1], [], [2]], [[0, 1, 2, 3]]):
+        with pytest.raises(ValueError, match="must cover"):
+            groups.check(bad, 3)
+
+
+def test_presets_and_their_errors():
+    assert clusters.cluster(8, 8, "v100", "25gbit").world_size == 64
+    assert clusters.cluster(2, 8, "h100", "100gbit").inter.bandwidth_Bps == pytest.approx(100e9 / 8)
+    with pytest.raises(KeyError, match="v100, a100, h100"):
+        clusters.device("tpu")
+    with pytest.raises(ValueError, match="nodes=0"):
+        clusters.cluster(0, 8)
+    with pytest.raises(ValueError, match="intra='infiniband'"):
+        clusters.cluster(2, 8, intra="infiniband")
+    with pytest.raises(ValueError, match="precision"):
+        clusters.device("v100").flops("int4")
+    with pytest.raises(ValueError, match="lack"):
+        clusters.measured(2, {"allreduce": cost.LinearFit(0, 0, 0, 0, 2)}, {})
