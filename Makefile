@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo bench-kernels bench-train bench-train-embed-lm bench-sparse test test-all lint clean
+.PHONY: demo bench-kernels bench-train bench-train-embed-lm bench-sparse bench-sim bench-fidelity test test-all lint clean
 
 # gpt-tiny on 4 ranks: plain DDP vs gradsync top-k on the emulated 1 Gbit/s testbed (as root with
 # iproute2; loopback with a warning otherwise). Prints the table; plots go to runs/demo/.
@@ -33,6 +33,16 @@ bench-train-embed-lm: $(STAMP)
 bench-sparse: $(STAMP)
 	$(BIN)/python -m gradsync bench sparse --hosts 8 --testbed --bandwidth 1gbit --reps 10 \
 		--inputs embed-lm,zipf --out docs/bench-sparse
+
+# The simulator's speed at 1,024 and 16,384 workers and its scaling factors for every model profile at
+# 8 x 8 V100 with 25 and 100 Gbit/s between nodes (README's simulator tables).
+bench-sim: $(STAMP)
+	$(BIN)/python -m gradsync bench sim --out docs/bench-sim
+
+# The simulator's predicted step time vs the measured one on the testbed: gpt-tiny on 2 and 4 hosts at
+# 1 Gbit/s and 300 Mbit/s, DDP vs gradsync fp16 and qsgd, each predicted from a profile of its ranks.
+bench-fidelity: $(STAMP)
+	$(BIN)/python -m gradsync bench fidelity --out docs/bench-fidelity
 
 # Compress + decompress time of every compressor vs a plain copy; writes runs/bench-kernels.json.
 bench-kernels: $(STAMP)

@@ -1,4 +1,4 @@
-"""Command line: `gradsync list | demo | bench kernels|train|sparse | testbed up|down|status`.
+"""Command line: `gradsync list | demo | simulate | bench kernels|train|sparse | testbed up|down|status`.
 
 `python -m gradsync ...` works the same.
 """
@@ -30,20 +30,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.add_argument("--steps", type=int, default=None, help="training steps per run (default: the demo's)")
     demo.add_argument("--loopback", action="store_true", help="skip the emulated network")
-    bench = commands.add_parser("bench", help="benchmarks: kernels, train, sparse")
+    bench = commands.add_parser("bench", help="benchmarks: kernels, train, sparse, sim, fidelity")
     benches = bench.add_subparsers(dest="bench", required=True)
     # One entry per benchmark, each with its own parser for its own errors.
     bench_parsers = {
         "kernels": _add_bench_kernels(benches),
         "train": _add_bench_train(benches),
         "sparse": _add_bench_sparse(benches),
+        "sim": _add_bench_sim(benches),
+        "fidelity": _add_bench_fidelity(benches),
     }
     testbed_parser = _add_testbed(commands)
+    simulate_parser = _add_simulate(commands)
     args = parser.parse_args(argv)
     if args.command == "list":
         return _list(args.json)
+    if args.command == "simulate":
+        return _simulate(args, simulate_parser)
     if args.command == "bench":
-        run_bench = {"kernels": _bench_kernels, "train": _bench_train, "sparse": _bench_sparse}[args.bench]
+        run_bench = {
+            "kernels": _bench_kernels,
+            "train": _bench_train,
+            "sparse": _bench_sparse,
+            "sim": _bench_sim,
+            "fidelity": _bench_fidelity,
+        }[args.bench]
         return run_bench(args, bench_parsers[args.bench])
     if args.command == "testbed":
         return _testbed(args, testbed_parser)
@@ -356,6 +367,84 @@ def run_sparse_bench(
     return 0
 
 
+def _add_bench_sim(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    sim = benches.add_parser(
+        "sim",
+        help="the simulator's speed at 1,024 and 16,384 workers and its predictions for every model",
+        description="Times one simulated step of every model profile at scale, and tabulates the "
+        "scaling factor per model, network and strategy. Writes results.json, results.md and a Gantt.",
+    )
+    sim.add_argument("--out", default="runs/bench-sim", help="output folder (default %(default)s)")
+    return sim
+
+
+def _bench_sim(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench import simulator
+
+    document = simulator.run(simulator.SimBenchOptions())
+    print(simulator.table(document))
+    for path in simulator.write(document, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _add_bench_fidelity(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from .bench.fidelity import FidelityOptions
+
+    defaults = FidelityOptions.__dataclass_fields__
+    fidelity = benches.add_parser(
+        "fidelity",
+        help="the simulator's predicted step time vs the measured one on the emulated network",
+        description="For each world size and bandwidth: a testbed, a profile on its ranks, then "
+        "measured training steps per strategy, each compared with the simulator's prediction from "
+        "the profile alone. Needs root and iproute2 (the testbed). Writes results.json, results.md, plots.",
+    )
+    fidelity.add_argument("--workload", default=defaults["workload"].default)
+    worlds, bandwidths = defaults["worlds"].default, defaults["bandwidths"].default
+    fidelity.add_argument("--worlds", default=",".join(map(str, worlds)), help="e.g. %(default)s")
+    fidelity.add_argument("--bandwidths", default=",".join(bandwidths), help="e.g. %(default)s")
+    fidelity.add_argument("--latency", default=defaults["latency"].default)
+    strategies = ",".join(defaults["strategies"].default)
+    fidelity.add_argument("--strategies", default=strategies, help="as in bench train (%(default)s)")
+    fidelity.add_argument("--steps", type=int, default=defaults["steps"].default, help="timed steps each")
+    fidelity.add_argument("--out", default="runs/bench-fidelity", help="output folder (default %(default)s)")
+    return fidelity
+
+
+def _bench_fidelity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import testbed
+    from .bench import fidelity, train
+
+    try:
+        options = fidelity.FidelityOptions(
+            workload=args.workload,
+            worlds=tuple(int(w) for w in _comma_list(args.worlds)),
+            bandwidths=tuple(_comma_list(args.bandwidths)),
+            latency=args.latency,
+            strategies=tuple(_comma_list(args.strategies)),
+            steps=args.steps,
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        parser.error(str(err).strip("'\""))
+    reason = testbed.available()
+    if reason is not None:
+        print(f"gradsync: error: bench fidelity needs the emulated network: {reason}", file=sys.stderr)
+        return 1
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    try:
+        document = fidelity.run(options, say)
+    except (ValueError, testbed.TestbedError, train.BenchError) as err:
+        say(f"gradsync: error: {err}")
+        return 1
+    print(fidelity.table(document))
+    for path in fidelity.write(document, args.out):
+        say(f"wrote {path}")
+    return 0
+
+
 def _key_value(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep or not key:
@@ -363,6 +452,96 @@ def _key_value(item: str) -> tuple[str, Any]:
     from .bench.strategies import parse_value
 
     return key, parse_value(value)
+
+
+def _add_simulate(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from .sim import cluster, models
+
+    sim = commands.add_parser(
+        "simulate",
+        help="predict step time and scaling of a model on a cluster, per strategy",
+        description="Simulates one training step (backward, compression, communication, overlap) "
+        "for each strategy, prints step time and scaling factor, and draws the timelines.",
+    )
+    sim.add_argument("--model", default="bert-base", help=f"one of {', '.join(models.names())}")
+    sim.add_argument("--profile", help="a profile measured by gradsync.profile (JSON) instead of --model")
+    sim.add_argument("--nodes", type=int, default=8, help="machines (default 8)")
+    sim.add_argument("--gpus-per-node", type=int, default=8, help="workers per machine (default 8)")
+    sim.add_argument("--device", default="v100", help=f"one of {', '.join(cluster.DEVICES)}")
+    sim.add_argument("--inter", default="25gbit", help="bandwidth between nodes, e.g. 25gbit, 100gbit")
+    sim.add_argument("--intra", default="nvlink", choices=("nvlink", "pcie"), help="link inside a node")
+    sim.add_argument("--precision", default="mixed", choices=cluster.PRECISIONS, help="compute precision")
+    sim.add_argument("--batch", type=int, default=None, help="samples per worker (default: the model's)")
+    sim.add_argument(
+        "--strategy",
+        action="append",
+        default=[],
+        help="comma-separated, repeatable: fp32, fp16, topk:ratio=0.01, qsgd:exchange=hierarchical, "
+        "dgc:on=cpu ... (default fp32,fp16,topk:ratio=0.01)",
+    )
+    sim.add_argument(
+        "--groups", default="ddp", help="ddp (25 MiB buckets), layerwise, single, or a number of equal groups"
+    )
+    sim.add_argument("--jitter", type=float, default=0.0, help="per-worker compute variation (e.g. 0.05)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--gantt", default="runs/simulate/gantt.png", help="timeline plot ('' for none)")
+    sim.add_argument("--json", action="store_true", help="print the results as JSON")
+    return sim
+
+
+def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import time
+
+    from .sim import cluster, compute, engine, models, report
+
+    texts = [s.strip() for item in args.strategy or ["fp32,fp16,topk:ratio=0.01"] for s in item.split(",")]
+    try:
+        if args.profile:
+            from .profile import Profile
+
+            profile = Profile.load(args.profile)
+            work = compute.from_profile(profile)
+            where = cluster.from_profile(profile)
+        else:
+            where = cluster.cluster(
+                args.nodes, args.gpus_per_node, args.device, args.inter, args.intra, args.precision
+            )
+            work = compute.from_model(models.build(args.model), where.device, args.precision, args.batch)
+        grouping = _grouping(args.groups, work.numels)
+        started = time.perf_counter()
+        results = [
+            engine.simulate(work, where, text, grouping, args.jitter, args.seed) for text in texts if text
+        ]
+        elapsed = time.perf_counter() - started
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        parser.error(str(err).strip("'\""))
+    if args.json:
+        print(json.dumps([report.to_dict(r) for r in results], indent=1))
+    else:
+        print(f"{work.name or 'profiled model'}: {work.num_params:,} parameters, {where.describe()}, "
+              f"{work.batch_size} samples per worker; one worker alone: {work.step_s * 1e3:.1f} ms per step")
+        print(report.table(results))
+        print(f"simulated {len(results)} strategies x {where.world_size} workers in {elapsed:.3f} s")
+    if args.gantt:
+        from .sim import gantt
+
+        path = gantt.draw(results, args.gantt, f"{work.name}, {where.describe()}")
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _grouping(text: str, numels: list[int]) -> list[list[int]]:
+    from .sim import groups
+
+    if text == "ddp":
+        return groups.ddp(numels)
+    if text == "layerwise":
+        return groups.layerwise(len(numels))
+    if text == "single":
+        return groups.single(len(numels))
+    if text.isdigit() and int(text) >= 1:
+        return groups.equal(numels, int(text))
+    raise ValueError(f"--groups {text!r} must be ddp, layerwise, single or a number of groups >= 1")
 
 
 def _add_testbed(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:

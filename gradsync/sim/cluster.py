@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ..cost import LinearFit, Link
 from ..testbed import parse_bandwidth
+
+if TYPE_CHECKING:
+    from ..profile import Profile
 
 # Per GPU kernel: what one PyTorch op costs before it moves a byte (launch and dispatch).
 KERNEL_S = 10e-6
@@ -68,9 +72,11 @@ class Cluster:
     """Where a step runs: nodes x gpus_per_node workers, their links, and how fast they compress.
 
     `collectives` and `compression`, when given (a measured profile), replace the formulas: the
-    time of a collective of b bytes per rank is collectives[name](b), and a codec's compress and
-    decompress time are compression[spec]["compress" | "decompress"](numel). A measured cluster
-    has one worker per node, as the testbed has one rank per host.
+    time of a collective of b bytes per rank is collectives[name](b) (collectives["allreduce:float16"]
+    for an fp16 sum, where measured), a codec's compress and decompress time are
+    compression[spec]["compress" | "decompress"](numel), and gradsync's whole hook path around it,
+    where measured, hook[spec]["before" | "after"](numel). A measured cluster has one worker per
+    node, as the testbed has one rank per host.
     """
 
     nodes: int
@@ -82,12 +88,20 @@ class Cluster:
     cpu_Bps: float = 5e9  # one CPU thread streaming through memory: offloaded compression
     collectives: Mapping[str, LinearFit] | None = None
     compression: Mapping[str, Mapping[str, LinearFit]] | None = None
+    hook: Mapping[str, Mapping[str, LinearFit]] | None = None
+    # collective ("allreduce", "allreduce:float16") -> {"compute": c, "transfer": t}: while that
+    # collective overlaps the backward pass, it runs slower by t and the compute by c (fractions),
+    # as where ranks share CPU cores. Measured by gradsync.profile; none on the presets.
+    contention: Mapping[str, Mapping[str, float]] | None = None
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         for label, value in (("nodes", self.nodes), ("gpus_per_node", self.gpus_per_node)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label}={value!r} must be an integer >= 1; e.g. {label}=8")
+        for name, slowdowns in (self.contention or {}).items():
+            if not all(v >= 0 for v in slowdowns.values()):
+                raise ValueError(f"contention[{name!r}]={dict(slowdowns)} must be fractions >= 0")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}; e.g. 'mixed'")
         if self.collectives is not None and self.gpus_per_node != 1:
@@ -150,6 +164,8 @@ def measured(
     world_size: int,
     collectives: Mapping[str, LinearFit],
     compression: Mapping[str, Mapping[str, LinearFit]],
+    hook: Mapping[str, Mapping[str, LinearFit]] | None = None,
+    contention: Mapping[str, Mapping[str, float]] | None = None,
     name: str = "",
 ) -> Cluster:
     """A cluster of `world_size` single-worker hosts whose costs were measured (gradsync.profile)."""
@@ -166,7 +182,16 @@ def measured(
         "fp32",
         collectives=collectives,
         compression=compression,
+        hook=hook,
+        contention=contention,
         name=name or f"{world_size} measured hosts",
+    )
+
+
+def from_profile(profile: Profile) -> Cluster:
+    """The measured cluster a profile describes: its world, collectives, codecs and hook path."""
+    return measured(
+        profile.world_size, profile.collectives, profile.compression, profile.hook, profile.contention
     )
 
 

@@ -20,7 +20,7 @@ so a step of 16,384 workers costs a few numpy operations per phase.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,7 +167,11 @@ def simulate(
                 t = cpu_free = start + phase.seconds
                 start0 = float(start[0])
             else:
-                start0, t = links.transfer(phase, t)
+                start0, t = links.transfer(phase, t, _contended(phase, device_end))
+                if phase.compute_slowdown:
+                    # The compute that overlapped the transfer ran slower: the backward pass ends later.
+                    overlap = np.clip(np.minimum(t, device_end) - start0, 0.0, None)
+                    device_end = device_end + phase.compute_slowdown * overlap
                 first_transfer = start0 if first_transfer is None else first_transfer
             spans.append(Span(_LANE[phase.resource], phase.label, start0, float(t[0]), index))
         done = np.maximum(done, t)
@@ -213,8 +217,12 @@ class _Links:
         self.intra_free = np.zeros(nodes)
         self.inter_free = 0.0
 
-    def transfer(self, phase: Phase, t: np.ndarray) -> tuple[float, np.ndarray]:
-        """One transfer whose inputs are ready at `t` (per worker): (start on worker 0, end per worker)."""
+    def transfer(
+        self, phase: Phase, t: np.ndarray, seconds: Callable[[float], float] | None = None
+    ) -> tuple[float, np.ndarray]:
+        """One transfer whose inputs are ready at `t` (per worker): (start on worker 0, end per worker).
+
+        `seconds(start)`, if given, is how long a transfer over every worker takes from `start`."""
         if phase.resource == "intra":
             node_ready = t.reshape(self.nodes, self.per_node).max(axis=1)
             start = np.maximum(node_ready, self.intra_free)
@@ -224,11 +232,28 @@ class _Links:
         start = max(float(t.max()), self.inter_free)
         if phase.resource == "net":  # it also crosses every node's intra-node links
             start = max(start, float(self.intra_free.max()))
-        end = start + phase.seconds
+        end = start + (seconds(start) if seconds is not None else phase.seconds)
         self.inter_free = end
         if phase.resource == "net":
             self.intra_free[:] = end
         return start, np.full(t.shape, end)
+
+
+def _contended(phase: Phase, device_end: np.ndarray) -> Callable[[float], float] | None:
+    """How long a transfer over every worker lasts from its start, where the part that overlaps the
+    backward pass (until the slowest worker's ends) runs slower by the phase's transfer slowdown."""
+    slowdown = phase.transfer_slowdown
+    if not slowdown:
+        return None
+    busy_until = float(device_end.max())
+
+    def seconds(start: float) -> float:
+        shared = max(0.0, busy_until - start)  # wall time during which the compute still runs
+        if phase.seconds * (1 + slowdown) <= shared:
+            return phase.seconds * (1 + slowdown)
+        return shared + (phase.seconds - shared / (1 + slowdown))
+
+    return seconds
 
 
 def _leading_device_work(plan: list[Phase]) -> list[Phase]:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import torch
+
 from .. import compress, cost
 from ..bench.strategies import parse_value
 from ..config import NO_COMPRESSION
@@ -139,6 +141,10 @@ class Phase:
     resource: str
     label: str
     seconds: float
+    # Where measured (CPU hosts): while this transfer overlaps the backward pass, it runs slower by
+    # transfer_slowdown and the compute by compute_slowdown (fractions).
+    compute_slowdown: float = 0.0
+    transfer_slowdown: float = 0.0
 
 
 def phases(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
@@ -153,10 +159,11 @@ def phases(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
     if strategy.compressed:
         steps += _codec_phase(strategy, "compress", numel, cluster, 1)
     if strategy.exchange == "allgather":
-        steps.append(Phase("net", "allgather", _collective(cluster, "allgather", payload, n)))
+        steps.append(_transfer(cluster, "allgather", payload, n))
         decodes = n  # every worker's payload is decoded and added
     else:
-        steps.append(Phase("net", "allreduce", _collective(cluster, "allreduce", payload, n)))
+        dtype = payload_dtype(strategy)
+        steps.append(_transfer(cluster, "allreduce", payload, n, dtype))
         decodes = 1  # the payloads were summed on the way
     if strategy.compressed:
         steps += _codec_phase(strategy, "decompress", numel, cluster, decodes)
@@ -188,9 +195,24 @@ def _hierarchical(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phas
     ]
 
 
-def _collective(cluster: Cluster, name: str, nbytes_per_rank: float, n: int) -> float:
+def _transfer(cluster: Cluster, name: str, nbytes_per_rank: float, n: int, dtype: str = "float32") -> Phase:
+    """A flat collective over every worker, with the contention measured for it, if any."""
+    contention = cluster.contention or {}
+    slowdowns = contention.get(f"{name}:{dtype}", contention.get(name, {}))
+    return Phase(
+        "net",
+        name,
+        _collective(cluster, name, nbytes_per_rank, n, dtype),
+        slowdowns.get("compute", 0.0),
+        slowdowns.get("transfer", 0.0),
+    )
+
+
+def _collective(cluster: Cluster, name: str, nbytes_per_rank: float, n: int, dtype: str = "float32") -> float:
     if cluster.collectives is not None:
-        return cluster.collectives[name](nbytes_per_rank)
+        # A sum's speed depends on its dtype (gloo adds fp16 far slower per byte than fp32).
+        fit = cluster.collectives.get(f"{name}:{dtype}", cluster.collectives[name])
+        return fit(nbytes_per_rank)
     link = cluster.inter if cluster.nodes > 1 else cluster.intra  # a flat ring crosses every NIC
     if name == "allgather":
         return cost.allgather_equal_s(nbytes_per_rank, n, link)
@@ -220,6 +242,14 @@ def codec_seconds(strategy: Strategy, which: str, numel: int, cluster: Cluster, 
                 f"the profile has no measured cost for {strategy.spec!r}; it measured {sorted(measured)}. "
                 "Profile that codec too (gradsync.profile.run(..., compressors=[...]))"
             )
+        hook = (cluster.hook or {}).get(strategy.spec)
+        if hook is not None:
+            # gradsync's whole hook path was measured: before the collective (compression and
+            # everything around it), after it (one payload's decode and the rest); each further
+            # payload costs one more decode.
+            if which == "compress":
+                return hook["before"](numel)
+            return hook["after"](numel) + (payloads - 1) * fits["decompress"](numel)
         # A measured decode is of one payload into a fresh tensor; each payload pays it.
         return fits[which](numel) * (payloads if which == "decompress" else 1)
     bandwidth = cluster.cpu_Bps if strategy.on == "cpu" else cluster.device.memory_Bps
@@ -241,6 +271,17 @@ def _summable(strategy: Strategy) -> bool:
 
 def _default_exchange(codec: str, args: tuple[tuple[str, Any], ...]) -> str:
     return "allreduce" if type(_codec(codec, args)).summable else "allgather"
+
+
+@lru_cache(maxsize=256)
+def _payload_dtype(name: str, args: tuple[tuple[str, Any], ...]) -> str:
+    payload, _ = compress.build(name, **dict(args)).compress(torch.zeros(64))
+    return str(payload[0].dtype).removeprefix("torch.")
+
+
+def payload_dtype(strategy: Strategy) -> str:
+    """The dtype a strategy's payload is summed in: "float32" uncompressed, "float16" for fp16."""
+    return _payload_dtype(strategy.codec, strategy.args) if strategy.compressed else "float32"
 
 
 @lru_cache(maxsize=256)

@@ -1,0 +1,143 @@
+"""Simulator benchmark: how fast it runs at scale, and what it predicts for the model profiles.
+
+Two parts:
+  scale        wall time of one simulated step of every model profile at 1,024 and 16,384
+               workers (the best of `repeats`), jitter on, so every worker is simulated;
+  predictions  the scaling factor of every model profile at 8 nodes x 8 GPUs under each strategy,
+               at 25 and 100 Gbit/s between nodes: where compression pays and where it hurts.
+
+Example:
+    >>> document = run(SimBenchOptions(models=("resnet50",), scale_workers=(64,)))
+    >>> print(table(document))
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..sim import cluster, compute, engine, gantt, models
+from . import report, train
+
+
+@dataclass(frozen=True)
+class SimBenchOptions:
+    """Which models, clusters and strategies; the defaults are README's."""
+
+    models: tuple[str, ...] = tuple(models.names())
+    device: str = "v100"
+    nodes: int = 8
+    gpus_per_node: int = 8
+    inters: tuple[str, ...] = ("25gbit", "100gbit")
+    strategies: tuple[str, ...] = (
+        "fp32",
+        "fp16",
+        "topk:ratio=0.01",
+        "qsgd",
+        "efsignsgd",
+        "fp16:exchange=hierarchical",
+    )
+    scale_workers: tuple[int, ...] = (1024, 16384)
+    scale_strategy: str = "fp16"
+    jitter: float = 0.02
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        for name in self.models:
+            models.build(name)  # KeyError listing the names
+        for workers in self.scale_workers:
+            if workers % self.gpus_per_node:
+                raise ValueError(
+                    f"scale_workers {workers} must be a multiple of gpus_per_node={self.gpus_per_node}"
+                )
+
+
+def run(options: SimBenchOptions) -> dict[str, Any]:
+    """Time the simulator at scale and tabulate its predictions."""
+    device = cluster.device(options.device)
+    scale = []
+    for name in options.models:
+        work = compute.from_model(models.build(name), device)
+        for workers in options.scale_workers:
+            where = cluster.cluster(
+                workers // options.gpus_per_node, options.gpus_per_node, options.device, "100gbit"
+            )
+            seconds = []
+            for _ in range(options.repeats):
+                started = time.perf_counter()
+                result = engine.simulate(work, where, options.scale_strategy, jitter=options.jitter)
+                seconds.append(time.perf_counter() - started)
+            scale.append(
+                {
+                    "model": name,
+                    "workers": workers,
+                    "seconds": min(seconds),
+                    "groups": len(result.groups),
+                    "scaling": result.scaling,
+                }
+            )
+    predictions = []
+    for name in options.models:
+        work = compute.from_model(models.build(name), device)
+        for inter in options.inters:
+            where = cluster.cluster(options.nodes, options.gpus_per_node, options.device, inter)
+            for text in options.strategies:
+                result = engine.simulate(work, where, text)
+                predictions.append(
+                    {
+                        "model": name,
+                        "inter": inter,
+                        "strategy": text,
+                        "step_s": result.step_s,
+                        "compute_s": result.compute_s,
+                        "scaling": result.scaling,
+                    }
+                )
+    return {
+        "meta": {"options": asdict(options), "machine": train.machine()},
+        "scale": scale,
+        "predictions": predictions,
+    }
+
+
+def table(document: dict[str, Any]) -> str:
+    """Markdown: simulation time at scale, then scaling factors per model, network and strategy."""
+    options = document["meta"]["options"]
+    lines = ["| model | workers | groups | simulated in (s) |", "|---|---:|---:|---:|"]
+    for row in document["scale"]:
+        lines.append(f"| {row['model']} | {row['workers']:,} | {row['groups']} | {row['seconds']:.4f} |")
+    strategies = options["strategies"]
+    lines += [
+        "",
+        f"Scaling factor at {options['nodes']} x {options['gpus_per_node']} {options['device'].upper()} "
+        "(throughput over 64 x one GPU's; best per row in bold):",
+        "",
+        "| model | between nodes | " + " | ".join(strategies) + " |",
+        "|---|---|" + "---:|" * len(strategies),
+    ]
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for p in document["predictions"]:
+        rows.setdefault((p["model"], p["inter"]), {})[p["strategy"]] = p["scaling"]
+    for (model, inter), by_strategy in rows.items():
+        best = max(by_strategy.values())
+        cells = [f"**{v:.2f}**" if v == best else f"{v:.2f}" for v in (by_strategy[s] for s in strategies)]
+        lines.append(f"| {model} | {inter} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(document: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """results.json, results.md and a Gantt of BERT-base's strategies at the slowest network."""
+    options = document["meta"]["options"]
+
+    def draw(doc: dict[str, Any], out: Path) -> list[Path]:
+        name = "bert-base" if "bert-base" in options["models"] else options["models"][0]
+        where = cluster.cluster(
+            options["nodes"], options["gpus_per_node"], options["device"], options["inters"][0]
+        )
+        work = compute.from_model(models.build(name), where.device)
+        results = [engine.simulate(work, where, text) for text in options["strategies"]]
+        return [gantt.draw(results, out / f"gantt-{name}.png", f"{name}, {where.describe()}")]
+
+    return report.write_results(document, out_dir, table, draw)

@@ -1,0 +1,84 @@
+"""`gradsync simulate` and `gradsync bench sim`: what they print and write, and their errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradsync.bench import simulator
+from gradsync.cli import main
+
+
+def test_simulate_prints_each_strategy_and_writes_the_gantt(tmp_path, capsys):
+    png = tmp_path / "gantt.png"
+    code = main(
+        [
+            "simulate",
+            "--model",
+            "bert-base",
+            "--nodes",
+            "8",
+            "--gpus-per-node",
+            "8",
+            "--inter",
+            "25gbit",
+            "--strategy",
+            "fp32,fp16",
+            "--strategy",
+            "topk:ratio=0.01",
+            "--gantt",
+            str(png),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "109,482,240 parameters" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "strategy" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["fp32", "fp16", "topk:ratio=0.01"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_json_matches_the_table(capsys):
+    assert (
+        main(
+            ["simulate", "--model", "resnet50", "--nodes", "2", "--strategy", "fp32", "--gantt", "", "--json"]
+        )
+        == 0
+    )
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["world_size"] == 16
+    assert result["step_s"] >= result["compute_s"]
+    assert result["scaling"] == pytest.approx(result["compute_s"] / result["step_s"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--model", "alexnet"], "unknown model 'alexnet'"),
+        (["--strategy", "qsgd:exchange=allreduce"], "not summable"),
+        (["--inter", "fast"], "not a rate"),
+        (["--device", "tpu"], "unknown device"),
+        (["--groups", "some"], "--groups 'some'"),
+        (["--nodes", "0"], "nodes=0"),
+        (["--profile", "/nonexistent/profile.json"], "profile.json"),
+    ],
+)
+def test_simulate_refuses_bad_input_with_exit_code_2(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--gantt", "", *argv])
+    assert exit_.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bench_sim_tables_scale_and_predictions(tmp_path):
+    options = simulator.SimBenchOptions(
+        models=("resnet50", "bert-base"), scale_workers=(64,), strategies=("fp32", "fp16"), repeats=1
+    )
+    document = simulator.run(options)
+    assert [(r["model"], r["workers"]) for r in document["scale"]] == [("resnet50", 64), ("bert-base", 64)]
+    assert len(document["predictions"]) == 2 * 2 * 2
+    text = simulator.table(document)
+    assert "| bert-base | 25gbit |" in text
+    paths = simulator.write(document, tmp_path)
+    assert {p.name for p in paths} == {"results.json", "results.md", "gantt-bert-base.png"}

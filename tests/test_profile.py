@@ -1,0 +1,268 @@
+"""gradsync.profile in a world of one: the JSON format, the backward timeline, codec cost fits,
+the collectives of a world of one, and a whole profile run."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync import profile
+from gradsync.comm import LocalComm
+from gradsync.cost import LinearFit, fit_linear
+from gradsync.profile import Profile, TensorTiming
+
+# Small enough to keep the file fast, a factor of 256 wide so that size dominates the cost.
+SIZES = (1 << 12, 1 << 16, 1 << 20)
+IN_FEATURES = 16
+
+
+def awkward_fit(scale: float) -> LinearFit:
+    return LinearFit(
+        fixed_s=(0.1 + 0.2) * scale, per_unit_s=1e-300, rel_error=1 / 3, max_rel_error=0.7, points=5
+    )
+
+
+def awkward_profile() -> Profile:
+    """Floats whose shortest repr is long or extreme, to catch any rounding on the way through JSON."""
+    return Profile(
+        world_size=3,
+        backend="gloo",
+        device="cpu",
+        threads=2,
+        forward_s=0.1 + 0.2,
+        backward_s=1e-300,
+        optimizer_s=5e-324,
+        tensors=(TensorTiming(1, "0.bias", 7, 2 / 3), TensorTiming(0, "0.weight", 70, math.pi)),
+        compression={"topk:ratio=0.01": {"compress": awkward_fit(1.0), "decompress": awkward_fit(7.0)}},
+        collectives={name: awkward_fit(i + 1e-17) for i, name in enumerate(profile.COLLECTIVES)},
+        meta={"model": "tiny", "sizes": [1, 2], "nested": {"x": 0.1}},
+    )
+
+
+def mlp(layers: int = 4, width: int = 24) -> nn.Sequential:
+    """Linear layers with Tanh between them, seeded without touching the caller's global RNG."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        blocks: list[nn.Module] = []
+        for i in range(layers):
+            blocks.append(nn.Linear(IN_FEATURES if i == 0 else width, width))
+            blocks.append(nn.Tanh())
+        return nn.Sequential(*blocks[:-1])
+
+
+def step_fn(model: nn.Module) -> Callable[[int], torch.Tensor]:
+    def step(i: int) -> torch.Tensor:
+        x = torch.randn(8, IN_FEATURES, generator=torch.Generator().manual_seed(i))
+        return model(x).square().mean()
+
+    return step
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+
+
+def test_json_round_trip_is_exact() -> None:
+    original = awkward_profile()
+    text = original.to_json()
+    restored = Profile.from_json(text)
+    assert restored == original
+    assert restored.to_json() == text
+    assert restored.forward_s == 0.1 + 0.2 and restored.optimizer_s == 5e-324
+    assert restored.compression["topk:ratio=0.01"]["decompress"] == awkward_fit(7.0)
+
+
+def test_json_is_indented_with_sorted_keys_and_a_version() -> None:
+    text = awkward_profile().to_json()
+    data = json.loads(text)
+    assert data["version"] == profile.VERSION == 1
+    assert text == json.dumps(data, indent=1, sort_keys=True)
+
+
+def test_save_then_load_gives_the_same_profile(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    awkward_profile().save(path)
+    assert Profile.load(path) == awkward_profile()
+
+
+def test_another_version_is_refused_with_the_version_named(tmp_path: Path) -> None:
+    data = json.loads(awkward_profile().to_json())
+    data["version"] = 2
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"version 2 is not supported.*reads version 1") as error:
+        Profile.load(path)
+    assert str(path) in str(error.value)
+    del data["version"]
+    with pytest.raises(ValueError, match="version None"):
+        Profile.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.pop("backward_s"), r"version 1\) lacks field 'backward_s'"),
+        (lambda d: d.update(extra=1), r"version 1\) has unknown field 'extra'"),
+        (lambda d: d["tensors"][1].pop("numel"), r"tensors\[1\] lacks field 'numel'"),
+        (lambda d: d["compression"]["topk:ratio=0.01"].pop("decompress"), "lacks field 'decompress'"),
+    ],
+)
+def test_a_missing_or_unknown_field_is_named(edit, message: str) -> None:
+    data = json.loads(awkward_profile().to_json())
+    edit(data)
+    with pytest.raises(ValueError, match=message):
+        Profile.from_json(json.dumps(data))
+
+
+def test_compute_s_is_forward_plus_backward_plus_optimizer() -> None:
+    p = awkward_profile()
+    assert p.compute_s == p.forward_s + p.backward_s + p.optimizer_s
+
+
+# -- backward timeline -----------------------------------------------------------------------------
+
+
+def test_time_backward_gives_gradients_in_backprop_order_within_the_backward_pass() -> None:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    rng_before = torch.random.get_rng_state()
+    forward_s, backward_s, optimizer_s, tensors = profile.time_backward(
+        model, step_fn(model), optimizer, steps=3, warmup=1
+    )
+    assert torch.equal(torch.random.get_rng_state(), rng_before)
+    assert min(forward_s, backward_s, optimizer_s) > 0
+    # Every parameter once, with its name, index and size.
+    named = list(model.named_parameters())
+    assert sorted(t.index for t in tensors) == list(range(len(named)))
+    for t in tensors:
+        assert (t.name, t.numel) == (named[t.index][0], named[t.index][1].numel())
+    # The last layer's gradients are ready first; layers come in reverse forward order.
+    layers = [int(t.name.split(".")[0]) for t in tensors]
+    assert layers == sorted(layers, reverse=True)
+    assert {t.name for t in tensors[:2]} == {"6.weight", "6.bias"}
+    readies = [t.ready_s for t in tensors]
+    assert readies == sorted(readies)
+    assert readies[0] >= 0 and readies[-1] <= backward_s
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_time_backward_removes_its_hooks_and_keeps_the_callers() -> None:
+    model = mlp(layers=2)
+    calls = []
+    first = next(model.parameters())
+    first.register_post_accumulate_grad_hook(lambda p: calls.append(p))
+    profile.time_backward(
+        model, step_fn(model), torch.optim.SGD(model.parameters(), lr=0.01), steps=2, warmup=0
+    )
+    assert len(calls) == 2
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == [1, 0, 0, 0]
+    step_fn(model)(0).backward()
+    assert len(calls) == 3
+
+
+def test_time_backward_skips_frozen_and_unused_parameters() -> None:
+    net = mlp(layers=3)
+    net[0].bias.requires_grad_(False)
+    model = nn.ModuleDict({"net": net, "unused": nn.Linear(2, 2)})
+    _, _, _, tensors = profile.time_backward(
+        model, step_fn(net), torch.optim.SGD(model.parameters(), lr=0.01), steps=1, warmup=0
+    )
+    assert {t.name for t in tensors} == {
+        "net.0.weight",
+        "net.2.weight",
+        "net.2.bias",
+        "net.4.weight",
+        "net.4.bias",
+    }
+    assert {t.index for t in tensors} == {0, 2, 3, 4, 5}
+
+
+def test_time_backward_rejects_no_steps() -> None:
+    model = mlp(layers=1)
+    with pytest.raises(ValueError, match="steps=0 must be >= 1"):
+        profile.time_backward(model, step_fn(model), torch.optim.SGD(model.parameters(), lr=0.01), steps=0)
+
+
+# -- codec costs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["fp16", "topk:ratio=0.01"])
+def test_each_measured_point_is_within_the_fits_max_relative_error(spec: str) -> None:
+    measured = profile.measure_compression(spec, SIZES, repeats=3, seed=1)
+    for phase in profile.CODEC_PHASES:
+        seconds = measured[phase]
+        assert len(seconds) == len(SIZES) and min(seconds) > 0
+        fit = fit_linear(SIZES, seconds)
+        for numel, s in zip(SIZES, seconds, strict=True):
+            assert abs(fit(numel) - s) / s <= fit.max_rel_error * (1 + 1e-9) + 1e-12
+
+
+def test_fit_compression_costs_grow_with_size() -> None:
+    rng_before = torch.random.get_rng_state()
+    fits = profile.fit_compression(["fp16", "topk:ratio=0.01"], SIZES, repeats=3)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)
+    assert sorted(fits) == ["fp16", "topk:ratio=0.01"]
+    for spec, phases in fits.items():
+        assert sorted(phases) == ["compress", "decompress"]
+        assert phases["compress"].per_unit_s > 0, spec
+        assert phases["compress"].points == len(SIZES)
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ("nosuch", "unknown compressor 'nosuch'"),
+        ("topk:ratio=2", "out of range"),
+        ("topk:bogus=1", "unknown parameter"),
+        ("topk:ratio", "is not key=value"),
+    ],
+)
+def test_a_bad_codec_spec_is_named(spec: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason) as error:
+        profile.fit_compression([spec], SIZES[:1], repeats=1)
+    assert repr(spec) in str(error.value)
+
+
+def test_parse_spec_reads_literals_and_keeps_words() -> None:
+    assert profile.parse_spec("topk:ratio=0.01:mode=sampled") == ("topk", {"ratio": 0.01, "mode": "sampled"})
+    assert profile.parse_spec("fp16") == ("fp16", {})
+
+
+# -- collectives and the whole run -----------------------------------------------------------------
+
+
+def test_a_world_of_one_has_free_collectives() -> None:
+    fits = profile.probe_collectives(LocalComm())
+    assert sorted(fits) == sorted(profile.COLLECTIVES)
+    for fit in fits.values():
+        assert (fit.fixed_s, fit.per_unit_s, fit.rel_error, fit.max_rel_error) == (0, 0, 0, 0)
+        assert fit(4 << 20) == 0
+
+
+def test_run_profiles_every_parameter_of_a_world_of_one() -> None:
+    model = mlp(layers=3)
+    found = profile.run(
+        model,
+        step_fn(model),
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        compressors=["fp16", "qsgd"],
+        steps=2,
+        warmup=1,
+        codec_sizes=SIZES[:2],
+        repeats=2,
+        meta={"model": "mlp3", "batch_size": 8},
+    )
+    assert (found.world_size, found.backend, found.device) == (1, "local", "cpu")
+    assert found.threads == torch.get_num_threads()
+    expected = [(i, name, p.numel()) for i, (name, p) in enumerate(model.named_parameters())]
+    assert sorted((t.index, t.name, t.numel) for t in found.tensors) == expected
+    assert sorted(found.compression) == ["fp16", "qsgd"]
+    assert all(fit.per_unit_s == 0 for fit in found.collectives.values())
+    assert found.meta["model"] == "mlp3" and found.meta["batch_size"] == 8
+    assert found.compute_s > 0
+    assert Profile.from_json(found.to_json()) == found
