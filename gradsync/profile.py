@@ -29,7 +29,6 @@ import math
 import os
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -346,10 +345,12 @@ def measure_contention(
 
     Where ranks share few CPU cores, moving bytes costs CPU (the kernel's TCP stack, gloo's threads
     and its sums, slow ones for fp16) that the compute then lacks, and the other way round; on a
-    GPU with its own network engine both stay near 0. A background thread issues `transfers`
-    collectives back to back while this thread runs forward + backward passes (no_sync: no
-    collectives of its own, no optimizer step) until they are done. Every rank must call it; all
-    get the slowest rank's fractions. A world of one has nothing to transfer: {}.
+    GPU with its own network engine both stay near 0. `transfers` collectives are issued at once,
+    as DDP issues its buckets' (gloo runs them on its own threads, with no Python thread waiting:
+    one would hold the interpreter from the compute), and this thread runs forward + backward
+    passes (no_sync: no collectives of its own, no optimizer step) until they are done; the same
+    collectives alone, and the passes alone, are the reference. Every rank must call it; all get
+    the slowest rank's fractions. A world of one has nothing to transfer: {}.
     """
     if comm.world_size == 1:
         return {}
@@ -370,37 +371,40 @@ def measure_contention(
     for name in names:
         kind, dtype = _collective_kind(name)
         size = torch.empty((), dtype=dtype).element_size()
-        x = torch.ones(max(comm.world_size, nbytes // size), dtype=dtype, device=device)
-        per_rank = x.numel() // comm.world_size
-
-        def transfer(x: torch.Tensor = x, kind: str = kind, per_rank: int = per_rank) -> float:
-            started = time.perf_counter()
-            _issue(comm, kind, x[: per_rank * comm.world_size], per_rank).wait()
-            return time.perf_counter() - started
-
+        per_rank = (
+            max(1, nbytes // size // comm.world_size) if kind == "all_to_all" else max(1, nbytes // size)
+        )
+        numel = per_rank * comm.world_size if kind == "all_to_all" else per_rank
+        inputs = [torch.ones(numel, dtype=dtype, device=device) for _ in range(transfers)]
         slowest_rank(comm, [0.0])
-        alone_transfer = statistics.median(transfer() for _ in range(steps))
+        alone_transfer, _ = _transfers_while(comm, kind, inputs, per_rank, None)
         slowest_rank(comm, [0.0])
-        busy_compute, busy_transfer = _overlapped(compute, transfer, transfers)
+        busy_transfer, busy_compute = _transfers_while(comm, kind, inputs, per_rank, compute)
         slowed = [busy_compute / alone_compute - 1, busy_transfer / alone_transfer - 1]
         compute_slowdown, transfer_slowdown = slowest_rank(comm, [max(0.0, v) for v in slowed])
         found[name] = {"compute": compute_slowdown, "transfer": transfer_slowdown}
     return found
 
 
-def _overlapped(
-    compute: Callable[[int], float], transfer: Callable[[], float], transfers: int
+def _transfers_while(
+    comm: Comm,
+    kind: str,
+    inputs: list[torch.Tensor],
+    per_rank: int,
+    compute: Callable[[int], float] | None,
 ) -> tuple[float, float]:
-    """Median seconds of a compute step and of a transfer while `transfers` transfers run back to
-    back in a background thread and compute steps run here until they are done."""
-    busy_transfer: list[float] = []
-    background = threading.Thread(target=lambda: busy_transfer.extend(transfer() for _ in range(transfers)))
-    background.start()
-    busy_compute = []
-    while background.is_alive():
-        busy_compute.append(compute(len(busy_compute)))
-    background.join()
-    return statistics.median(busy_compute), statistics.median(busy_transfer)
+    """(seconds per transfer, median seconds per compute step): one collective per input, issued at
+    once as DDP issues its buckets' (queued behind each other, no Python thread waiting on them),
+    and compute steps run here until all are done (none if `compute` is None)."""
+    started = time.perf_counter()
+    futures = [_issue(comm, kind, x, per_rank) for x in inputs]
+    steps: list[float] = []
+    while compute is not None and not all(f.done() for f in futures):
+        steps.append(compute(len(steps)))
+    for future in futures:
+        future.wait()
+    per_transfer = (time.perf_counter() - started) / len(inputs)
+    return per_transfer, statistics.median(steps) if steps else 0.0
 
 
 # -- codec costs -----------------------------------------------------------------------------------

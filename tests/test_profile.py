@@ -42,6 +42,8 @@ def awkward_profile() -> Profile:
         compression={"topk:ratio=0.01": {"compress": awkward_fit(1.0), "decompress": awkward_fit(7.0)}},
         collectives={name: awkward_fit(i + 1e-17) for i, name in enumerate(profile.COLLECTIVES)},
         meta={"model": "tiny", "sizes": [1, 2], "nested": {"x": 0.1}},
+        hook={"qsgd": {"before": awkward_fit(3.0), "after": awkward_fit(1 / 3)}},
+        contention={"allreduce:float16": {"compute": 0.1 + 0.2, "transfer": 1e-300}},
     )
 
 
@@ -75,6 +77,8 @@ def test_json_round_trip_is_exact() -> None:
     assert restored.to_json() == text
     assert restored.forward_s == 0.1 + 0.2 and restored.optimizer_s == 5e-324
     assert restored.compression["topk:ratio=0.01"]["decompress"] == awkward_fit(7.0)
+    assert restored.hook["qsgd"]["after"] == awkward_fit(1 / 3)
+    assert restored.contention["allreduce:float16"]["compute"] == 0.1 + 0.2
 
 
 def test_json_is_indented_with_sorted_keys_and_a_version() -> None:
@@ -263,6 +267,41 @@ def test_run_profiles_every_parameter_of_a_world_of_one() -> None:
     assert sorted((t.index, t.name, t.numel) for t in found.tensors) == expected
     assert sorted(found.compression) == ["fp16", "qsgd"]
     assert all(fit.per_unit_s == 0 for fit in found.collectives.values())
+    # gradsync's hook path around each codec, timed where the hook compresses; no contention alone.
+    assert sorted(found.hook) == ["fp16", "qsgd"]
+    assert all(fit.points == 2 and fit(1 << 20) > 0 for fits in found.hook.values() for fit in fits.values())
+    assert found.contention == {}
     assert found.meta["model"] == "mlp3" and found.meta["batch_size"] == 8
     assert found.compute_s > 0
     assert Profile.from_json(found.to_json()) == found
+
+
+def test_the_hook_path_is_timed_before_and_after_its_collective() -> None:
+    config = profile.hook_config("qsgd")
+    sizes = (1 << 14, 1 << 20)
+    measured = profile.measure_hook(config, sizes, repeats=2)
+    assert sorted(measured) == ["after", "before"]
+    for phase, seconds in measured.items():
+        assert len(seconds) == len(sizes) and all(t > 0 for t in seconds), phase
+    # 64 times the elements: the hook's compress and decode take longer.
+    assert measured["before"][1] > measured["before"][0]
+    assert measured["after"][1] > measured["after"][0]
+
+
+def test_the_hook_is_timed_only_where_it_compresses() -> None:
+    config = profile.hook_config("fp16")
+    with pytest.raises(ValueError, match="below min_compress_numel=16384"):
+        profile.measure_hook(config, (1 << 10, 1 << 20))
+
+
+def test_collectives_may_name_their_dtype() -> None:
+    fits = profile.probe_collectives(LocalComm(), names=["allreduce", "allreduce:float16"])
+    assert sorted(fits) == ["allreduce", "allreduce:float16"]
+    for bad in ("allreduce:float17", "broadcast", "allgather:banana"):
+        with pytest.raises(ValueError, match=f"collective {bad!r} is not one of"):
+            profile.probe_collectives(LocalComm(), names=[bad])
+
+
+def test_a_world_of_one_measures_no_contention() -> None:
+    model = mlp(layers=2)
+    assert profile.measure_contention(model, step_fn(model), LocalComm()) == {}

@@ -55,7 +55,9 @@ def test_every_timeline_keeps_the_invariants(name, make, strategy, grouping, jit
     result = simulate(work, where, strategy, chosen, jitter=jitter, seed=3)
 
     # No link, and no CPU thread, carries two things at once; the compute lane runs one thing.
-    for lane in (*LINK_LANES, CPU, COMPUTE):
+    cpu_lanes = {s.lane for s in result.spans if s.lane.startswith(CPU)}
+    assert len(cpu_lanes) <= where.cpu_threads
+    for lane in (*LINK_LANES, *cpu_lanes, COMPUTE):
         assert overlaps([s for s in result.spans if s.lane == lane]) == []
     # Nothing starts before its input is ready; phases of a group run in order.
     for timing in result.groups:
@@ -133,7 +135,7 @@ def test_offloaded_compression_leaves_the_backward_pass_alone():
     plain = simulate(work, where, "fp32", groups.layerwise(4))
     offloaded = simulate(work, where, "topk:ratio=0.01:on=cpu", groups.layerwise(4))
     assert [t.ready_s for t in offloaded.groups] == pytest.approx([t.ready_s for t in plain.groups])
-    assert any(s.lane == CPU for s in offloaded.spans)
+    assert any(s.lane.startswith(CPU) for s in offloaded.spans)
 
 
 def test_a_world_of_one_steps_at_compute_speed():
@@ -232,3 +234,66 @@ def test_invariants_hold_for_every_model_profile():
         for lane in LINK_LANES:
             assert overlaps([s for s in result.spans if s.lane == lane]) == [], (name, text, lane)
         assert result.step_s >= max(result.compute_s, result.communication_s)
+
+
+def test_a_contended_transfer_and_the_compute_slow_each_other_while_they_overlap():
+    # A measured CPU host: an allreduce takes 0.1 s alone; overlapping the backward pass it runs at
+    # half speed (transfer slowdown 1.0) and costs the compute half its overlap (compute slowdown 0.5).
+    fits = {"allreduce": cost.LinearFit(0.1, 0.0, 0, 0, 2), "allgather": cost.LinearFit(0.1, 0.0, 0, 0, 2)}
+    contention = {"allreduce": {"compute": 0.5, "transfer": 1.0}}
+    work = Compute(0.0, 1.0, 0.0, (Gradient("a", 10**6, 0.2), Gradient("b", 10**6, 1.0)))
+    calm = simulate(work, clusters.measured(2, fits, {}), "fp32", [[0], [1]])
+    assert calm.step_s == pytest.approx(1.1)
+    busy = simulate(work, clusters.measured(2, fits, {}, None, contention), "fp32", [[0], [1]])
+    # a: 0.2 .. 0.4, all of it beside the backward pass (twice as long), which meanwhile does 0.2 / 1.5
+    # of its work and so ends 0.2 - 0.2 / 1.5 = 1/15 s later: at 16/15. b: from 1.0, 1/15 s at half
+    # speed (1/30 s of its work), the remaining 2/30 s alone: it ends at 1 + 2/15. The backward
+    # pass's last 1/15 s of work, slowed, ends at 1.1.
+    assert busy.groups[0].done_s == pytest.approx(0.4)
+    assert busy.groups[1].done_s == pytest.approx(1 + 2 / 15)
+    assert busy.step_s == pytest.approx(1 + 2 / 15)
+
+
+def test_a_profile_becomes_a_compute_timeline_and_a_measured_cluster():
+    from gradsync.profile import Profile, TensorTiming
+
+    fit = cost.LinearFit(1e-3, 1e-8, 0.05, 0.1, 5)
+    found = Profile(
+        world_size=4, backend="gloo", device="cpu", threads=1, forward_s=0.05, backward_s=0.1,
+        optimizer_s=0.01,
+        # Medians may cross by a hair: the simulator keeps backprop order.
+        tensors=(TensorTiming(1, "b", 1000, 0.031), TensorTiming(0, "w", 10**6, 0.03)),
+        compression={"fp16": {"compress": fit, "decompress": fit}},
+        collectives={"allreduce": fit, "allgather": fit},
+        meta={"workload": "mlp", "batch_size": 16},
+        hook={"fp16": {"before": fit, "after": fit}},
+        contention={"allreduce": {"compute": 0.2, "transfer": 0.3}},
+    )  # fmt: skip
+    work = computes.from_profile(found)
+    assert [g.ready_s for g in work.gradients] == [0.031, 0.031]
+    assert (work.name, work.batch_size, work.step_s) == ("mlp", 16, pytest.approx(0.16))
+    where = clusters.from_profile(found)
+    assert (where.world_size, where.measured) == (4, True)
+    result = simulate(work, where, "fp16")
+    compress, _, decompress = (s for s in result.spans if s.group == 0 and s.lane != COMPUTE)
+    # The hook path was measured: it, not the bare codec, is what the step pays.
+    assert compress.end_s - compress.start_s == pytest.approx(fit(10**6 + 1000))
+    assert decompress.end_s - decompress.start_s == pytest.approx(fit(10**6 + 1000))  # one summed payload
+    assert result.step_s > work.step_s
+
+
+def test_offloaded_codecs_share_the_workers_cpu_threads():
+    import dataclasses
+
+    # Four groups ready at once: two threads compress two at a time, one thread one at a time.
+    work = Compute(0.0, 0.1, 0.0, tuple(Gradient(f"t{i}", 10**7, 0.1) for i in range(4)))
+    two = flat(4)
+    one = dataclasses.replace(two, cpu_threads=1)
+    both = simulate(work, two, "topk:ratio=0.01:on=cpu", groups.layerwise(4))
+    alone = simulate(work, one, "topk:ratio=0.01:on=cpu", groups.layerwise(4))
+    first = [s for s in both.spans if s.label == "compress"]
+    assert sorted({s.lane for s in first}) == ["cpu 0", "cpu 1"]
+    assert first[0].start_s == first[1].start_s  # side by side
+    serial = [s for s in alone.spans if s.label == "compress"]
+    assert all(b.start_s >= a.end_s for a, b in itertools.pairwise(serial))
+    assert alone.step_s > both.step_s

@@ -86,6 +86,7 @@ class Cluster:
     inter: Link
     precision: str = "mixed"
     cpu_Bps: float = 5e9  # one CPU thread streaming through memory: offloaded compression
+    cpu_threads: int = 2  # CPU threads per worker that offloaded codecs share
     collectives: Mapping[str, LinearFit] | None = None
     compression: Mapping[str, Mapping[str, LinearFit]] | None = None
     hook: Mapping[str, Mapping[str, LinearFit]] | None = None

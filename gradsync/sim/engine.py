@@ -30,7 +30,7 @@ from .cluster import Cluster
 from .compute import Compute
 from .strategy import Phase, Strategy, parse, phases
 
-# Gantt lanes of worker 0 and its node.
+# Gantt lanes of worker 0 and its node; CPU threads are lanes "cpu 0", "cpu 1", ...
 COMPUTE, CODEC, CPU, NETWORK, INTRA, INTER = "compute", "codec", "cpu", "network", "intra-node", "inter-node"
 LINK_LANES = (NETWORK, INTRA, INTER)
 _LANE = {"device": CODEC, "cpu": CPU, "net": NETWORK, "intra": INTRA, "inter": INTER}
@@ -142,19 +142,28 @@ def simulate(
     device_end = forward_end + compute.backward_s * scale + shift
     backward_tail = piece_start
 
+    # Offloaded compression, first come first served on the CPU threads: in ready order, ahead of
+    # the decoding of earlier groups, which is asked for only once their transfers are done.
+    threads = _Threads(workers, cluster.cpu_threads)
+    transfer_ready = []
+    for index, plan in enumerate(plans):
+        lead = _leading_device_work(plan)
+        t = ready[index] + sum(p.seconds for p in lead)
+        for phase in _before_transfers(plan)[len(lead) :]:
+            start, t, thread = threads.run(t, phase.seconds)
+            spans.append(Span(f"{CPU} {thread}", phase.label, float(start[0]), float(t[0]), index))
+        transfer_ready.append(t)
+
     # Pass 2: the exchanges, in group order.
     links = _Links(nodes, per_node)
-    cpu_free = np.zeros(workers)
     after_backward = np.zeros(workers)  # the device's queue once the backward pass is over
     done = np.zeros(workers)
     timings = []
     for index, plan in enumerate(plans):
-        t = ready[index].copy()
+        t = transfer_ready[index]
         first_transfer = None
-        lead = len(_leading_device_work(plan))
-        t += sum(p.seconds for p in plan[:lead])
-        for phase in plan[lead:]:
-            start0 = float(t[0])
+        for phase in plan[len(_before_transfers(plan)) :]:
+            start0, lane = float(t[0]), None
             if phase.resource == "device":
                 stealing = t < device_end  # the backward pass is still running: share the device
                 device_end = np.where(stealing, device_end + phase.seconds, device_end)
@@ -163,17 +172,14 @@ def simulate(
                 after_backward = np.where(stealing, after_backward, t)
                 start0 = float(start[0])
             elif phase.resource == "cpu":
-                start = np.maximum(t, cpu_free)
-                t = cpu_free = start + phase.seconds
-                start0 = float(start[0])
+                start, t, thread = threads.run(t, phase.seconds)
+                start0, lane = float(start[0]), f"{CPU} {thread}"
             else:
                 start0, t = links.transfer(phase, t, _contended(phase, device_end))
                 if phase.compute_slowdown:
-                    # The compute that overlapped the transfer ran slower: the backward pass ends later.
-                    overlap = np.clip(np.minimum(t, device_end) - start0, 0.0, None)
-                    device_end = device_end + phase.compute_slowdown * overlap
+                    device_end = _slowed(device_end, start0, t, phase.compute_slowdown)
                 first_transfer = start0 if first_transfer is None else first_transfer
-            spans.append(Span(_LANE[phase.resource], phase.label, start0, float(t[0]), index))
+            spans.append(Span(lane or _LANE[phase.resource], phase.label, start0, float(t[0]), index))
         done = np.maximum(done, t)
         payload = per_group[index].payload_bytes(group_numels[index])
         started = first_transfer if first_transfer is not None else float(t[0])
@@ -207,6 +213,22 @@ def simulate(
         strategy=texts.pop() if len(texts) == 1 else "per group",
         meta={"model": compute.name, "groups": len(groups), "jitter": jitter, "seed": seed},
     )
+
+
+class _Threads:
+    """Each worker's CPU threads for offloaded codecs: the one free first takes the next job."""
+
+    def __init__(self, workers: int, count: int) -> None:
+        self.free = np.zeros((workers, count))
+        self.rows = np.arange(workers)
+
+    def run(self, t: np.ndarray, seconds: float) -> tuple[np.ndarray, np.ndarray, int]:
+        """A job asked for at `t` (per worker): (start, end, worker 0's thread)."""
+        thread = self.free.argmin(axis=1)
+        start = np.maximum(t, self.free[self.rows, thread])
+        end = start + seconds
+        self.free[self.rows, thread] = end
+        return start, end, int(thread[0])
 
 
 class _Links:
@@ -254,6 +276,31 @@ def _contended(phase: Phase, device_end: np.ndarray) -> Callable[[float], float]
         return shared + (phase.seconds - shared / (1 + slowdown))
 
     return seconds
+
+
+def _slowed(device_end: np.ndarray, start: float, end: np.ndarray, slowdown: float) -> np.ndarray:
+    """When the backward pass ends if, from `start` to `end`, a transfer ran beside it and the
+    compute went at 1 / (1 + slowdown) of its speed."""
+    work = np.clip(device_end - start, 0.0, None)  # backward left at `start`, at full speed
+    shared = end - start
+    slow = work * (1 + slowdown)
+    # Done during the transfer: all of it slowed. Else the transfer's span at the slow speed, the
+    # rest at full speed afterwards.
+    return np.where(
+        work > 0,
+        start + np.where(shared >= slow, slow, work + shared * slowdown / (1 + slowdown)),
+        device_end,
+    )
+
+
+def _before_transfers(plan: list[Phase]) -> list[Phase]:
+    """A group's phases before its first transfer: its compression, on the device or a CPU thread."""
+    lead = []
+    for phase in plan:
+        if phase.resource not in ("device", "cpu"):
+            break
+        lead.append(phase)
+    return lead
 
 
 def _leading_device_work(plan: list[Phase]) -> list[Phase]:

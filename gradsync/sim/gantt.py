@@ -71,4 +71,4 @@ def draw(results: Sequence[Result], path: str | Path, title: str = "") -> Path:
 
 def _used_lanes(result: Result) -> list[str]:
     used = {span.lane for span in result.spans}
-    return [lane for lane in _LANES if lane in used]
+    return sorted(used, key=lambda lane: (_LANES.index(lane.split()[0]), lane))

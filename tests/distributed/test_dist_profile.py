@@ -60,7 +60,11 @@ def profile_on_ranks(rank: int, world_size: int) -> dict[str, Any]:
     uneven = profile.run(
         heads, uneven_step, sgd(heads), compressors=[], steps=1, warmup=0, collective_sizes=(4, 64), repeats=1
     )
+    contention = profile.measure_contention(
+        model, step, comm, nbytes=1 << 18, names=["allreduce", "allreduce:float16"], transfers=3, steps=2
+    )
     return {
+        "contention": contention,
         "uneven": uneven.to_json(),
         "fits": {name: fit.to_dict() for name, fit in fits.items()},
         "order": [(t.index, t.name, t.numel) for t in tensors],
@@ -123,3 +127,11 @@ def test_run_agrees_on_gradients_that_only_some_ranks_produce(runs: list[dict[st
         "second.bias",
         "second.weight",
     ]
+
+
+def test_contention_is_measured_per_collective_and_agreed_by_every_rank(runs: list[dict[str, Any]]) -> None:
+    assert runs[0]["contention"] == runs[1]["contention"]
+    assert sorted(runs[0]["contention"]) == ["allreduce", "allreduce:float16"]
+    for slowdowns in runs[0]["contention"].values():
+        assert sorted(slowdowns) == ["compute", "transfer"]
+        assert all(v >= 0 and v == v for v in slowdowns.values())
