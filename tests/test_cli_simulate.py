@@ -76,9 +76,15 @@ def test_bench_sim_tables_scale_and_predictions(tmp_path):
         models=("resnet50", "bert-base"), scale_workers=(64,), strategies=("fp32", "fp16"), repeats=1
     )
     document = simulator.run(options)
-    assert [(r["model"], r["workers"]) for r in document["scale"]] == [("resnet50", 64), ("bert-base", 64)]
-    assert len(document["predictions"]) == 2 * 2 * 2
+    assert [(r["model"], r["grouping"]) for r in document["scale"]] == [
+        ("resnet50", "ddp"),
+        ("resnet50", "layerwise"),
+        ("bert-base", "ddp"),
+        ("bert-base", "layerwise"),
+    ]
+    assert [r["groups"] for r in document["scale"]][1::2] == [161, 199]  # one per tensor
+    assert len(document["predictions"]) == 2 * 2 * 2 * 2  # models, precisions, networks, strategies
     text = simulator.table(document)
-    assert "| bert-base | 25gbit |" in text
+    assert "| bert-base | fp32 | 25gbit |" in text
     paths = simulator.write(document, tmp_path)
     assert {p.name for p in paths} == {"results.json", "results.md", "gantt-bert-base.png"}

@@ -159,3 +159,14 @@ def test_presets_and_their_errors():
         clusters.device("v100").flops("int4")
     with pytest.raises(ValueError, match="lack"):
         clusters.measured(2, {"allreduce": cost.LinearFit(0, 0, 0, 0, 2)}, {})
+
+
+def test_a_two_level_quantizer_sends_the_payload_of_its_share():
+    from gradsync.sim.strategy import payload_nbytes
+
+    where = clusters.cluster(4, 8, "v100", "25gbit")
+    assert payload_nbytes(parse("qsgd:exchange=hierarchical"), 8 * 10**6, where) == parse(
+        "qsgd"
+    ).payload_bytes(10**6)
+    assert payload_nbytes(parse("qsgd"), 8 * 10**6, where) == parse("qsgd").payload_bytes(8 * 10**6)
+    assert payload_nbytes(parse("fp16:exchange=hierarchical"), 10**6, where) == 2 * 10**6

@@ -2,7 +2,8 @@
 
 Two parts:
   scale        wall time of one simulated step of every model profile at 1,024 and 16,384
-               workers (the best of `repeats`), jitter on, so every worker is simulated;
+               workers (the best of `repeats`), jitter on, so every worker is simulated, with
+               DDP's buckets and with one group per tensor (the most groups a plan can have);
   predictions  the scaling factor of every model profile at 8 nodes x 8 GPUs under each strategy,
                at 25 and 100 Gbit/s between nodes: where compression pays and where it hurts.
 
@@ -13,12 +14,13 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..sim import cluster, compute, engine, gantt, models
+from ..sim import cluster, compute, engine, gantt, groups, models
 from . import report, train
 
 
@@ -31,6 +33,9 @@ class SimBenchOptions:
     nodes: int = 8
     gpus_per_node: int = 8
     inters: tuple[str, ...] = ("25gbit", "100gbit")
+    # Compute in mixed precision (today's default) and in fp32 (the V100-era runs Espresso measured):
+    # the slower the compute, the more of the exchange the backward pass hides.
+    precisions: tuple[str, ...] = ("mixed", "fp32")
     strategies: tuple[str, ...] = (
         "fp32",
         "fp16",
@@ -60,34 +65,40 @@ def run(options: SimBenchOptions) -> dict[str, Any]:
     scale = []
     for name in options.models:
         work = compute.from_model(models.build(name), device)
-        for workers in options.scale_workers:
-            where = cluster.cluster(
-                workers // options.gpus_per_node, options.gpus_per_node, options.device, "100gbit"
-            )
+        layout = {"ddp": groups.ddp(work.numels), "layerwise": groups.layerwise(len(work.numels))}
+        for workers, grouping in itertools.product(options.scale_workers, layout):
+            nodes = workers // options.gpus_per_node
+            where = cluster.cluster(nodes, options.gpus_per_node, options.device, "100gbit")
             seconds = []
             for _ in range(options.repeats):
                 started = time.perf_counter()
-                result = engine.simulate(work, where, options.scale_strategy, jitter=options.jitter)
+                result = engine.simulate(
+                    work, where, options.scale_strategy, layout[grouping], options.jitter
+                )
                 seconds.append(time.perf_counter() - started)
             scale.append(
                 {
                     "model": name,
                     "workers": workers,
-                    "seconds": min(seconds),
+                    "grouping": grouping,
                     "groups": len(result.groups),
+                    "seconds": min(seconds),
                     "scaling": result.scaling,
                 }
             )
     predictions = []
-    for name in options.models:
-        work = compute.from_model(models.build(name), device)
+    for name, precision in itertools.product(options.models, options.precisions):
+        work = compute.from_model(models.build(name), device, precision)
         for inter in options.inters:
-            where = cluster.cluster(options.nodes, options.gpus_per_node, options.device, inter)
+            where = cluster.cluster(
+                options.nodes, options.gpus_per_node, options.device, inter, precision=precision
+            )
             for text in options.strategies:
                 result = engine.simulate(work, where, text)
                 predictions.append(
                     {
                         "model": name,
+                        "precision": precision,
                         "inter": inter,
                         "strategy": text,
                         "step_s": result.step_s,
@@ -105,25 +116,26 @@ def run(options: SimBenchOptions) -> dict[str, Any]:
 def table(document: dict[str, Any]) -> str:
     """Markdown: simulation time at scale, then scaling factors per model, network and strategy."""
     options = document["meta"]["options"]
-    lines = ["| model | workers | groups | simulated in (s) |", "|---|---:|---:|---:|"]
+    lines = ["| model | workers | grouping | groups | simulated in (s) |", "|---|---:|---|---:|---:|"]
     for row in document["scale"]:
-        lines.append(f"| {row['model']} | {row['workers']:,} | {row['groups']} | {row['seconds']:.4f} |")
+        cells = [row["model"], f"{row['workers']:,}", row["grouping"], row["groups"], f"{row['seconds']:.4f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     strategies = options["strategies"]
     lines += [
         "",
         f"Scaling factor at {options['nodes']} x {options['gpus_per_node']} {options['device'].upper()} "
-        "(throughput over 64 x one GPU's; best per row in bold):",
+        f"(throughput over {options['nodes'] * options['gpus_per_node']} x one GPU's; best per row in bold):",
         "",
-        "| model | between nodes | " + " | ".join(strategies) + " |",
-        "|---|---|" + "---:|" * len(strategies),
+        "| model | compute | between nodes | " + " | ".join(strategies) + " |",
+        "|---|---|---|" + "---:|" * len(strategies),
     ]
-    rows: dict[tuple[str, str], dict[str, float]] = {}
+    rows: dict[tuple[str, str, str], dict[str, float]] = {}
     for p in document["predictions"]:
-        rows.setdefault((p["model"], p["inter"]), {})[p["strategy"]] = p["scaling"]
-    for (model, inter), by_strategy in rows.items():
+        rows.setdefault((p["model"], p["precision"], p["inter"]), {})[p["strategy"]] = p["scaling"]
+    for (model, precision, inter), by_strategy in rows.items():
         best = max(by_strategy.values())
         cells = [f"**{v:.2f}**" if v == best else f"{v:.2f}" for v in (by_strategy[s] for s in strategies)]
-        lines.append(f"| {model} | {inter} | " + " | ".join(cells) + " |")
+        lines.append(f"| {model} | {precision} | {inter} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

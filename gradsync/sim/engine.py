@@ -28,7 +28,7 @@ import numpy as np
 from . import groups as grouping
 from .cluster import Cluster
 from .compute import Compute
-from .strategy import Phase, Strategy, parse, phases
+from .strategy import Phase, Strategy, parse, payload_nbytes, phases
 
 # Gantt lanes of worker 0 and its node; CPU threads are lanes "cpu 0", "cpu 1", ...
 COMPUTE, CODEC, CPU, NETWORK, INTRA, INTER = "compute", "codec", "cpu", "network", "intra-node", "inter-node"
@@ -181,7 +181,7 @@ def simulate(
                 first_transfer = start0 if first_transfer is None else first_transfer
             spans.append(Span(lane or _LANE[phase.resource], phase.label, start0, float(t[0]), index))
         done = np.maximum(done, t)
-        payload = per_group[index].payload_bytes(group_numels[index])
+        payload = payload_nbytes(per_group[index], group_numels[index], cluster)
         started = first_transfer if first_transfer is not None else float(t[0])
         timings.append(
             GroupTiming(

@@ -170,6 +170,20 @@ def phases(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
     return steps
 
 
+def payload_nbytes(strategy: Strategy, numel: int, cluster: Cluster) -> int:
+    """Bytes of one worker's payload for a group of `numel` elements on `cluster`: a two-level
+    exchange of a non-summable codec compresses only the worker's 1/g share."""
+    g = cluster.gpus_per_node
+    if _splits_into_shares(strategy, cluster):
+        return strategy.payload_bytes(math.ceil(numel / g))
+    return strategy.payload_bytes(numel)
+
+
+def _splits_into_shares(strategy: Strategy, cluster: Cluster) -> bool:
+    two_level = strategy.exchange == "hierarchical" and cluster.nodes > 1 and cluster.gpus_per_node > 1
+    return two_level and strategy.compressed and not _summable(strategy)
+
+
 def _hierarchical(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
     g, nodes = cluster.gpus_per_node, cluster.nodes
     # The g workers of a node run their inter-node rings at once: each gets 1/g of the NIC.
