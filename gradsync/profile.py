@@ -780,7 +780,7 @@ def run(
         meta={
             **_default_name(module, meta or {}),
             "module": type(module).__name__,
-            "machine": _machine(),
+            "machine": machine(),
             "steps": steps,
             "warmup": warmup,
             "repeats": repeats,
@@ -822,7 +822,8 @@ def _default_name(module: nn.Module, meta: Mapping[str, Any]) -> dict[str, Any]:
     return {} if "model" in meta or "workload" in meta else {"model": type(module).__name__}
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
+    """The machine a measurement ran on: CPU, cores, Python and torch versions."""
     return {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

@@ -8,14 +8,10 @@ runner (bench/fidelity.py) predicts each strategy's step from the profile and co
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
 import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,24 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import profile, workloads
 from ..comm import TorchComm
 from . import strategies
+from .rank import serve
 
 
 def main(spec_path: str) -> int:
-    faulthandler.enable()
-    spec = json.loads(Path(spec_path).read_text())
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(spec["threads"])
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=spec["timeout_s"])
-    )
-    try:
-        result = measure(spec, rank, world_size)
-        if rank == 0:
-            Path(spec["out"]).write_text(json.dumps(result))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return serve(spec_path, measure)
 
 
 def measure(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:

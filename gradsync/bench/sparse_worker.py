@@ -10,8 +10,6 @@ scheme's, or between ranks, ends the rank with an error naming the scheme.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import faulthandler
 import json
 import os
 import resource
@@ -19,7 +17,6 @@ import statistics
 import sys
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +25,7 @@ import torch.distributed as dist
 from ..comm import TorchComm, allgather_object
 from ..sparse import SparseResult, exchange
 from ..sparse.select import calibrate
+from .rank import serve
 from .sparse import ATOL_SCALE, RTOL, Source, base_scheme, parse_input, partition_for
 from .worker import TxCounter
 
@@ -37,21 +35,7 @@ class SumMismatch(RuntimeError):
 
 
 def main(job_path: str) -> int:
-    faulthandler.enable()  # a crash in native code leaves the Python stack in the rank's log
-    job = json.loads(Path(job_path).read_text())
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(job["threads"])
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=job["timeout_s"])
-    )
-    try:
-        result = bench(job, TorchComm())
-        if rank == 0:
-            Path(job["out"]).write_text(json.dumps(result))
-        dist.barrier()  # leave together: rank 0 hosts the rendezvous store
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return serve(job_path, lambda job, _rank, _world_size: bench(job, TorchComm()))
 
 
 def bench(job: dict[str, Any], comm: TorchComm) -> dict[str, Any]:

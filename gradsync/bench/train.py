@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import queue
 import signal
 import socket
@@ -33,9 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import testbed, workloads
+from ..profile import machine
 from ..testbed import Testbed
 from . import strategies
 from .progress import ProgressBar
@@ -329,15 +327,6 @@ def master_port(network: Network) -> int:
 def quantile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 def _at_least(name: str, value: int, low: int, hint: str) -> None:

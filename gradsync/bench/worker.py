@@ -8,8 +8,6 @@ on stdout (the runner's progress bar) and writes the run's measurements to the s
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
 import json
 import os
 import sys
@@ -23,26 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import workloads
 from . import strategies
+from .rank import serve
 
 
 def main(spec_path: str) -> int:
-    faulthandler.enable()  # a crash in native code leaves the Python stack in the rank's log
-    spec = json.loads(Path(spec_path).read_text())
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(spec["threads"])
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=spec["timeout_s"])
-    )
-    try:
-        result = train(spec, rank, world_size)
-        if rank == 0:
-            Path(spec["out"]).write_text(json.dumps(result))
-        # Leave together: rank 0 hosts the rendezvous store, and a rank still tearing down its
-        # process group when rank 0 has gone aborts.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return serve(spec_path, train)
 
 
 def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
