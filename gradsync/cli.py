@@ -449,7 +449,7 @@ def _key_value(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ValueError(f"--option {item!r} is not KEY=VALUE, e.g. --option batch_size=8")
-    from .bench.strategies import parse_value
+    from .registry import parse_value
 
     return key, parse_value(value)
 

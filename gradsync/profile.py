@@ -22,7 +22,6 @@ Example (a world of one):
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import json
 import math
@@ -40,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import compress
+from . import compress, registry
 from .comm import Comm, LocalComm, TorchComm
 from .config import SyncConfig
 from .cost import LinearFit, fit_linear
@@ -411,19 +410,8 @@ def _transfers_while(
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """("topk", {"ratio": 0.01}) from "topk:ratio=0.01": a codec name and its arguments, whose values
-    are Python literals where they parse as one (numbers, booleans) and strings otherwise."""
-    name, *items = spec.split(":")
-    args: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"codec spec {spec!r}: {item!r} is not key=value; e.g. 'topk:ratio=0.01'")
-        try:
-            args[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            args[key] = value
-    return name, args
+    """("topk", {"ratio": 0.01}) from "topk:ratio=0.01": a codec name and its arguments."""
+    return registry.parse_spec(spec, "codec spec")
 
 
 def build_codec(spec: str) -> compress.Compressor:

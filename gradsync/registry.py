@@ -1,7 +1,9 @@
-"""Name -> class lookup shared by the compressor and error-feedback tables."""
+"""Name -> class lookup shared by the compressor and error-feedback tables, and the
+`name:key=value:...` form every command line and spec names them in."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -35,3 +37,24 @@ def construct(table: Mapping[str, type[T]], kind: str, name: str, params: Mappin
             f"{kind} {name!r} got unknown parameter(s) {unknown}; valid parameters: {valid or 'none'}"
         )
     return cls(**params)
+
+
+def parse_value(text: str) -> Any:
+    """Numbers and booleans as such; anything else as a string (mode=sampled, ef=ef21)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_spec(text: str, what: str = "spec") -> tuple[str, dict[str, Any]]:
+    """("topk", {"ratio": 0.01}) from "topk:ratio=0.01": a name and its options, values read by
+    parse_value; ValueError naming `what` and `text` for an item that is not key=value."""
+    name, *items = text.strip().split(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, items):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{what} {text!r}: {item!r} is not key=value, e.g. 'topk:ratio=0.01'")
+        options[key.strip()] = parse_value(value.strip())
+    return name.strip(), options

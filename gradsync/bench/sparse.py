@@ -49,12 +49,12 @@ import torch
 
 from .. import workloads
 from ..compress.base import check_int, check_real
+from ..registry import parse_value
 from ..sparse import HashPartition, Partition, RangePartition, SparseRows, cost
 from ..sparse.hashing import imbalance, pull_index_nbytes
 from ..testbed import MAX_HOSTS
 from ..workloads.base import generator_for
 from . import report, train
-from .strategies import parse_value
 
 # Table order; "range" is balanced with an index-range partition.
 SCHEMES = ("dense", "agsparse", "balanced", "hierarchical", "range")

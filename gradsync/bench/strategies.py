@@ -19,13 +19,12 @@ Example:
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import compress
+from .. import compress, registry
 from ..config import NO_COMPRESSION, SyncConfig
 from ..ddp import register
 from ..exchange import allreduce_sent_bytes
@@ -81,8 +80,7 @@ class Strategy:
 
 def parse(text: str) -> Strategy:
     """The Strategy named by `text`; ValueError naming the problem and the valid choices."""
-    name, _, rest = text.strip().partition(":")
-    options = _parse_options(text, rest)
+    name, options = registry.parse_spec(text, "strategy")
     if name == "ddp" or name == "torch-fp16":
         if options:
             raise ValueError(f"strategy {text!r}: {name} takes no options, got {sorted(options)}")
@@ -187,21 +185,3 @@ class Installed:
         assert self.gradsync is not None
         newest = self.gradsync.stats()["last_step"]
         return newest if newest is not None and newest["step"] == step else None
-
-
-def _parse_options(text: str, rest: str) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for item in filter(None, rest.split(":")):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"strategy {text!r}: option {item!r} is not key=value, e.g. topk:ratio=0.01")
-        options[key.strip()] = parse_value(value.strip())
-    return options
-
-
-def parse_value(text: str) -> Any:
-    """Numbers and booleans as such; anything else as a string (mode=sampled, ef=ef21)."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import compress, cost
-from ..bench.strategies import parse_value
+from .. import compress, cost, registry
 from ..config import NO_COMPRESSION
 from .cluster import KERNEL_S, Cluster
 
@@ -102,15 +101,9 @@ class Strategy:
 
 def parse(text: str) -> Strategy:
     """A Strategy from `codec[:key=value...]`; unknown names and options raise ValueError."""
-    name, *items = text.strip().split(":")
+    name, options = registry.parse_spec(text, "strategy")
     if not name:
         raise ValueError(f"strategy {text!r} names no codec; e.g. 'fp32', 'fp16' or 'topk:ratio=0.01'")
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"strategy {text!r}: option {item!r} is not key=value, e.g. 'ratio=0.01'")
-        options[key] = parse_value(value)
     exchange = options.pop("exchange", None)
     on = options.pop("on", "device")
     codec = NO_COMPRESSION if name in FP32_NAMES else name
