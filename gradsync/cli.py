@@ -477,7 +477,7 @@ def _add_simulate(commands: argparse._SubParsersAction) -> argparse.ArgumentPars
         action="append",
         default=[],
         help="comma-separated, repeatable: fp32, fp16, topk:ratio=0.01, qsgd:exchange=hierarchical, "
-        "dgc:on=cpu ... (default fp32,fp16,topk:ratio=0.01)",
+        "fp32:exchange=sparse, dgc:on=cpu ... (default fp32,fp16,topk:ratio=0.01)",
     )
     sim.add_argument(
         "--groups", default="ddp", help="ddp (25 MiB buckets), layerwise, single, or a number of equal groups"

@@ -297,3 +297,13 @@ def test_offloaded_codecs_share_the_workers_cpu_threads():
     serial = [s for s in alone.spans if s.label == "compress"]
     assert all(b.start_s >= a.end_s for a, b in itertools.pairwise(serial))
     assert alone.step_s > both.step_s
+
+
+def test_sparse_embeddings_make_deepfm_faster_than_a_dense_allreduce():
+    where = clusters.cluster(8, 8, "v100", "25gbit")
+    work = computes.from_model(models.build("deepfm"), where.device)
+    dense = simulate(work, where, "fp32")
+    sparse = simulate(work, where, "fp32:exchange=sparse")
+    assert sparse.step_s < dense.step_s
+    assert {s.label for s in sparse.spans if s.lane == "network"} >= {"allreduce"}
+    assert any(s.label.startswith("sparse ") for s in sparse.spans)

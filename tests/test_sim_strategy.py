@@ -170,3 +170,32 @@ def test_a_two_level_quantizer_sends_the_payload_of_its_share():
     ).payload_bytes(10**6)
     assert payload_nbytes(parse("qsgd"), 8 * 10**6, where) == parse("qsgd").payload_bytes(8 * 10**6)
     assert payload_nbytes(parse("fp16:exchange=hierarchical"), 10**6, where) == 2 * 10**6
+
+
+def test_the_sparse_exchange_sends_embedding_rows_by_the_cheapest_scheme_and_the_rest_dense():
+    from gradsync.sim import compute as computes
+    from gradsync.sim import models
+    from gradsync.sparse import cost as sparse_cost
+
+    where = clusters.cluster(8, 8, "v100", "25gbit")
+    work = computes.from_model(models.build("lstm"), where.device)
+    (embedding,) = [g for g in work.gradients if g.density]
+    assert (embedding.name, embedding.rows, embedding.density) == ("encoder.weight", 33278, 0.0113)
+    decoder = [g for g in work.gradients if g.name.startswith("decoder")]
+    numel = embedding.numel + sum(g.numel for g in decoder)
+    dense, rows = phases(parse("fp32:exchange=sparse"), numel, where, [embedding])
+    dense_nbytes = 4 * sum(g.numel for g in decoder)
+    ring, tree = (f(dense_nbytes, 64, where.inter) for f in (cost.ring_allreduce_s, cost.tree_allreduce_s))
+    assert dense.seconds == pytest.approx(min(ring, tree))
+
+    # The rows go by the scheme gradsync.sparse's model prices lowest, at that price.
+    union = {m: 1 - (1 - 0.0113) ** m for m in (1, 2, 4, 8, 16, 32, 64)}
+    sparsity = sparse_cost.Sparsity(33278, 650, 4, union)
+    predicted = sparse_cost.seconds(
+        sparsity, 64, sparse_cost.Network(where.inter.alpha_s, where.inter.bandwidth_Bps)
+    )
+    assert rows.label == f"sparse {min(predicted, key=predicted.__getitem__)}"
+    assert rows.seconds == pytest.approx(min(predicted.values()))
+    assert rows.seconds < cost.ring_allreduce_s(4 * embedding.numel, 64, where.inter)
+    with pytest.raises(ValueError, match="use fp32:exchange=sparse"):
+        parse("fp16:exchange=sparse")

@@ -43,6 +43,7 @@ class SimBenchOptions:
         "qsgd",
         "efsignsgd",
         "fp16:exchange=hierarchical",
+        "fp32:exchange=sparse",
     )
     scale_workers: tuple[int, ...] = (1024, 16384)
     scale_strategy: str = "fp16"

@@ -28,6 +28,8 @@ class Gradient:
     name: str
     numel: int
     ready_s: float  # seconds from the start of the backward pass
+    rows: int | None = None  # an embedding table's rows, whose gradient touches only some
+    density: float | None = None  # the fraction of rows one worker's gradient touches
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,14 @@ def from_model(
     if batch < 1:
         raise ValueError(f"batch_size={batch} must be >= 1 samples per worker")
     flops = device.flops(precision)
+    sparse = {
+        tensor: (layer.embedding_rows, layer.density)
+        for layer in model.layers
+        if layer.density is not None
+        for tensor, _ in layer.tensors
+    }
     gradients = tuple(
-        Gradient(name, numel, cumulative * batch / flops)
+        Gradient(name, numel, cumulative * batch / flops, *sparse.get(name, (None, None)))
         for name, numel, cumulative in backward_schedule(model)
     )
     forward_s = model.forward_flops * batch / flops

@@ -121,7 +121,10 @@ def simulate(
     scale = np.clip(1 + jitter * rng.standard_normal(workers), 0.5, None) if jitter else np.ones(workers)
 
     group_numels = [sum(numels[i] for i in group) for group in groups]
-    plans = [phases(s, n, cluster) for s, n in zip(per_group, group_numels, strict=True)]
+    plans = [
+        phases(s, n, cluster, [compute.gradients[i] for i in group if compute.gradients[i].density])
+        for s, n, group in zip(per_group, group_numels, groups, strict=True)
+    ]
     spans: list[Span] = [Span(COMPUTE, "forward", 0.0, compute.forward_s * scale[0])]
 
     # Pass 1: the backward pass, delayed by compression that runs on the device when a group is

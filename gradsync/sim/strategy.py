@@ -2,7 +2,10 @@
 
 A strategy is written `codec[:key=value...]`, with the codec's own arguments plus:
   exchange=allreduce|allgather|hierarchical   the collective; default: allreduce when the codec's
-                                              payloads are summable, allgather otherwise
+                                              payloads are summable, allgather otherwise;
+  exchange=sparse                             fp32 only: embedding gradients as rows by the sparse
+                                              scheme (Zen's and others) priced cheapest, the rest
+                                              of the group in one allreduce
   on=device|cpu                               where (de)compression runs; cpu offloads it to a
                                               CPU thread, paying the host link both ways
 `fp32` (or `none`) is the plain allreduce; `fp16`, `topk:ratio=0.01`, `qsgd:exchange=hierarchical`
@@ -18,6 +21,7 @@ allgathers the decoded shares in fp32.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -26,9 +30,12 @@ import torch
 
 from .. import compress, cost, registry
 from ..config import NO_COMPRESSION
+from ..sparse import cost as sparse_cost
+from ..sparse.cost import Network, Sparsity
 from .cluster import KERNEL_S, Cluster
+from .compute import Gradient
 
-EXCHANGES = ("allreduce", "allgather", "hierarchical")
+EXCHANGES = ("allreduce", "allgather", "hierarchical", "sparse")
 PLACES = ("device", "cpu")
 FP32_NAMES = ("fp32", NO_COMPRESSION)
 
@@ -65,6 +72,11 @@ class Strategy:
             raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
         if self.on not in PLACES:
             raise ValueError(f"on={self.on!r} is not one of {PLACES}")
+        if self.exchange == "sparse" and self.compressed:
+            raise ValueError(
+                f"strategy {self.text!r}: the sparse exchange sends an embedding's rows as they are; "
+                "use fp32:exchange=sparse"
+            )
         if self.compressed:
             codec = _codec(self.codec, self.args)  # unknown names and arguments fail here
             if self.exchange == "allreduce" and not type(codec).summable:
@@ -140,11 +152,14 @@ class Phase:
     transfer_slowdown: float = 0.0
 
 
-def phases(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
-    """The phases of exchanging one group of `numel` fp32 elements, in order."""
+def phases(strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gradient] = ()) -> list[Phase]:
+    """The phases of exchanging one group of `numel` fp32 elements, in order; `sparse` are the
+    group's embedding gradients, which exchange=sparse sends as rows."""
     n, g = cluster.world_size, cluster.gpus_per_node
     if n == 1:
         return []
+    if strategy.exchange == "sparse":
+        return _sparse_rows(numel, sparse, cluster)
     if strategy.exchange == "hierarchical" and cluster.nodes > 1 and g > 1:
         return _hierarchical(strategy, numel, cluster)
     payload = strategy.payload_bytes(numel)
@@ -161,6 +176,39 @@ def phases(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
     if strategy.compressed:
         steps += _codec_phase(strategy, "decompress", numel, cluster, decodes)
     return steps
+
+
+def _sparse_rows(numel: int, sparse: Sequence[Gradient], cluster: Cluster) -> list[Phase]:
+    """Zen's use: the group's dense tensors in one allreduce, each embedding's rows by the sparse
+    scheme gradsync.sparse's cost model predicts fastest.
+
+    The union of n workers' rows is modelled as independent draws, d_n = 1 - (1 - d)^n: an upper
+    bound, since real rows overlap (Zipf-skewed tokens) and their union grows slower.
+    """
+    n = cluster.world_size
+    dense = numel - sum(t.numel for t in sparse)
+    steps = [_transfer(cluster, "allreduce", 4 * dense, n)] if dense else []
+    network = _sparse_network(cluster)
+    for t in sparse:
+        assert t.rows is not None and t.density is not None
+        sizes = {1 << i for i in range(n.bit_length())} | {n}
+        union = {m: 1 - (1 - t.density) ** m for m in sorted(sizes)}
+        rows = Sparsity(t.rows, t.numel // t.rows, 4, union)
+        predicted = sparse_cost.seconds(rows, n, network)
+        scheme = min(predicted, key=predicted.__getitem__)
+        steps.append(Phase("net", f"sparse {scheme}", predicted[scheme]))
+    return steps
+
+
+def _sparse_network(cluster: Cluster) -> Network:
+    """The alpha-beta network gradsync.sparse's cost model prices schemes on."""
+    if cluster.collectives is None:
+        link = cluster.inter if cluster.nodes > 1 else cluster.intra
+        return Network(link.alpha_s, link.bandwidth_Bps)
+    # Measured: the ring allreduce's fit read back as per-message latency and link bandwidth.
+    n, fit = cluster.world_size, cluster.collectives["allreduce"]
+    bandwidth = 2 * (n - 1) / n / fit.per_unit_s if fit.per_unit_s else float("inf")
+    return Network(fit.fixed_s / (2 * (n - 1)), bandwidth)
 
 
 def payload_nbytes(strategy: Strategy, numel: int, cluster: Cluster) -> int:
