@@ -13,7 +13,7 @@ modelled, not measured here: no GPU was available to calibrate them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..cost import LinearFit, Link
@@ -194,8 +194,3 @@ def from_profile(profile: Profile) -> Cluster:
     return measured(
         profile.world_size, profile.collectives, profile.compression, profile.hook, profile.contention
     )
-
-
-def with_inter(base: Cluster, inter: str) -> Cluster:
-    """`base` with another inter-node bandwidth."""
-    return replace(base, inter=Link(base.inter.alpha_s, parse_bandwidth(inter) / 8), name="")

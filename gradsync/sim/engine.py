@@ -127,62 +127,31 @@ def simulate(
     ]
     spans: list[Span] = [Span(COMPUTE, "forward", 0.0, compute.forward_s * scale[0])]
 
-    # Pass 1: the backward pass, delayed by compression that runs on the device when a group is
-    # ready (it comes before the group's first transfer, so it is in backprop order).
-    forward_end = compute.forward_s * scale
-    shift = np.zeros(workers)
-    ready: list[np.ndarray] = []
-    piece_start = float(forward_end[0])
-    for index, (group, plan) in enumerate(zip(groups, plans, strict=True)):
-        at = forward_end + compute.gradients[group[-1]].ready_s * scale + shift
-        ready.append(at)
-        spans.append(Span(COMPUTE, "backward", piece_start, float(at[0]), index))
-        piece_start = float(at[0])
-        for phase in _leading_device_work(plan):
-            spans.append(Span(CODEC, phase.label, piece_start, piece_start + phase.seconds, index))
-            piece_start += phase.seconds
-            shift += phase.seconds
-    device_end = forward_end + compute.backward_s * scale + shift
-    backward_tail = piece_start
-
-    # Offloaded compression, first come first served on the CPU threads: in ready order, ahead of
-    # the decoding of earlier groups, which is asked for only once their transfers are done.
+    ready, device = _backward_pass(compute, groups, plans, scale, spans)
     threads = _Threads(workers, cluster.cpu_threads)
-    transfer_ready = []
-    for index, plan in enumerate(plans):
-        lead = _leading_device_work(plan)
-        t = ready[index] + sum(p.seconds for p in lead)
-        for phase in _before_transfers(plan)[len(lead) :]:
-            start, t, thread = threads.run(t, phase.seconds)
-            spans.append(Span(f"{CPU} {thread}", phase.label, float(start[0]), float(t[0]), index))
-        transfer_ready.append(t)
+    transfer_ready = _offloaded_compression(plans, ready, threads, spans)
 
-    # Pass 2: the exchanges, in group order.
+    # The exchanges, in group order: transfers, then decoding.
     links = _Links(nodes, per_node)
-    after_backward = np.zeros(workers)  # the device's queue once the backward pass is over
     done = np.zeros(workers)
     timings = []
     for index, plan in enumerate(plans):
         t = transfer_ready[index]
         first_transfer = None
         for phase in plan[len(_before_transfers(plan)) :]:
-            start0, lane = float(t[0]), None
+            lane = _LANE[phase.resource]
             if phase.resource == "device":
-                stealing = t < device_end  # the backward pass is still running: share the device
-                device_end = np.where(stealing, device_end + phase.seconds, device_end)
-                start = np.where(stealing, t, np.maximum(t, after_backward))
-                t = start + phase.seconds
-                after_backward = np.where(stealing, after_backward, t)
+                start, t = device.run(t, phase.seconds)
                 start0 = float(start[0])
             elif phase.resource == "cpu":
                 start, t, thread = threads.run(t, phase.seconds)
                 start0, lane = float(start[0]), f"{CPU} {thread}"
             else:
-                start0, t = links.transfer(phase, t, _contended(phase, device_end))
+                start0, t = links.transfer(phase, t, _contended(phase, device.end))
                 if phase.compute_slowdown:
-                    device_end = _slowed(device_end, start0, t, phase.compute_slowdown)
+                    device.end = _slowed(device.end, start0, t, phase.compute_slowdown)
                 first_transfer = start0 if first_transfer is None else first_transfer
-            spans.append(Span(lane or _LANE[phase.resource], phase.label, start0, float(t[0]), index))
+            spans.append(Span(lane, phase.label, start0, float(t[0]), index))
         done = np.maximum(done, t)
         payload = payload_nbytes(per_group[index], group_numels[index], cluster)
         started = first_transfer if first_transfer is not None else float(t[0])
@@ -199,9 +168,9 @@ def simulate(
             )
         )
 
-    if float(device_end[0]) > backward_tail:
-        spans.append(Span(COMPUTE, "backward", backward_tail, float(device_end[0])))
-    finish = np.maximum(np.maximum(device_end, after_backward), done)
+    if float(device.end[0]) > device.tail:
+        spans.append(Span(COMPUTE, "backward", device.tail, float(device.end[0])))
+    finish = np.maximum(np.maximum(device.end, device.after), done)
     step_end = finish + compute.optimizer_s * scale
     spans.append(Span(COMPUTE, "optimizer", float(finish[0]), float(step_end[0])))
     texts = {s.text for s in per_group}
@@ -216,6 +185,64 @@ def simulate(
         strategy=texts.pop() if len(texts) == 1 else "per group",
         meta={"model": compute.name, "groups": len(groups), "jitter": jitter, "seed": seed},
     )
+
+
+def _backward_pass(
+    compute: Compute, groups: list[list[int]], plans: list[list[Phase]], scale: np.ndarray, spans: list[Span]
+) -> tuple[list[np.ndarray], _Device]:
+    """When each group is ready on each worker, and the device: the backward pass, delayed by the
+    compression that runs on the device as each group becomes ready (in backprop order)."""
+    forward_end = compute.forward_s * scale
+    shift = np.zeros(len(scale))
+    ready: list[np.ndarray] = []
+    piece_start = float(forward_end[0])
+    for index, (group, plan) in enumerate(zip(groups, plans, strict=True)):
+        at = forward_end + compute.gradients[group[-1]].ready_s * scale + shift
+        ready.append(at)
+        spans.append(Span(COMPUTE, "backward", piece_start, float(at[0]), index))
+        piece_start = float(at[0])
+        for phase in _leading_device_work(plan):
+            spans.append(Span(CODEC, phase.label, piece_start, piece_start + phase.seconds, index))
+            piece_start += phase.seconds
+            shift += phase.seconds
+    return ready, _Device(forward_end + compute.backward_s * scale + shift, piece_start)
+
+
+def _offloaded_compression(
+    plans: list[list[Phase]], ready: list[np.ndarray], threads: _Threads, spans: list[Span]
+) -> list[np.ndarray]:
+    """When each group's first transfer may start: after its compression. Offloaded codecs go to
+    the CPU threads first come first served, in ready order, ahead of the decoding of earlier
+    groups, which is asked for only once their transfers are done."""
+    transfer_ready = []
+    for index, plan in enumerate(plans):
+        lead = _leading_device_work(plan)
+        t = ready[index] + sum(p.seconds for p in lead)
+        for phase in _before_transfers(plan)[len(lead) :]:
+            start, t, thread = threads.run(t, phase.seconds)
+            spans.append(Span(f"{CPU} {thread}", phase.label, float(start[0]), float(t[0]), index))
+        transfer_ready.append(t)
+    return transfer_ready
+
+
+class _Device:
+    """Each worker's compute device once the backward pass is laid out: when that pass ends (later
+    as work shares the device with it) and when the work queued after it ends."""
+
+    def __init__(self, end: np.ndarray, tail: float) -> None:
+        self.end = end
+        self.after = np.zeros_like(end)
+        self.tail = tail  # worker 0's last backward piece starts here (for the Gantt)
+
+    def run(self, t: np.ndarray, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        """Work asked for at `t` (decoding): it shares the device with the backward pass while
+        that runs, and queues after it otherwise. (start, end) per worker."""
+        stealing = t < self.end
+        self.end = np.where(stealing, self.end + seconds, self.end)
+        start = np.where(stealing, t, np.maximum(t, self.after))
+        finish = start + seconds
+        self.after = np.where(stealing, self.after, finish)
+        return start, finish
 
 
 class _Threads:
