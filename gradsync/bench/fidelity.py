@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -155,32 +154,24 @@ def collectives(options: FidelityOptions) -> list[str]:
 
 
 def _run_ranks(options: FidelityOptions, network: train.Network, world: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="gradsync-fidelity-") as tmp_name:
-        tmp = Path(tmp_name)
-        out = tmp / "result.json"
-        spec = {
-            "workload": options.workload,
-            "workload_options": {},
-            "seed": options.seed,
-            "strategies": list(options.strategies),
-            "hooked": hooked(options),
-            "collectives": collectives(options),
-            "collective_sizes": list(options.collective_sizes),
-            "codec_sizes": list(options.codec_sizes),
-            "warmup": options.warmup,
-            "steps": options.steps,
-            "profile_steps": options.profile_steps,
-            "threads": options.threads,
-            "timeout_s": options.timeout_s,
-            "out": str(out),
-        }
-        spec_path = tmp / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        argv = [sys.executable, "-m", "gradsync.bench.fidelity_worker", str(spec_path)]
-        logs = [tmp / f"rank{rank}.log" for rank in range(world)]
-        with train.launch_ranks(network, argv, world, train.master_port(network), logs) as procs:
-            train.follow_ranks(procs, logs, options.timeout_s, None, f"fidelity on {world} ranks")
-        return json.loads(out.read_text())
+    job = {
+        "workload": options.workload,
+        "workload_options": {},
+        "seed": options.seed,
+        "strategies": list(options.strategies),
+        "hooked": hooked(options),
+        "collectives": collectives(options),
+        "collective_sizes": list(options.collective_sizes),
+        "codec_sizes": list(options.codec_sizes),
+        "warmup": options.warmup,
+        "steps": options.steps,
+        "profile_steps": options.profile_steps,
+        "threads": options.threads,
+        "timeout_s": options.timeout_s,
+    }
+    with tempfile.TemporaryDirectory(prefix="gradsync-fidelity-") as tmp:
+        name = f"fidelity on {world} ranks"
+        return train.run_job(network, "gradsync.bench.fidelity_worker", job, world, Path(tmp) / "job", name)
 
 
 def _brief(result: engine.Result) -> dict[str, Any]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-import json
 import os
 import statistics
 import subprocess
@@ -868,7 +867,6 @@ def source_state() -> dict[str, Any]:
 def _run_input(
     options: SparseBenchOptions, network: train.Network, spec: InputSpec, tmp: Path, index: int
 ) -> dict[str, Any]:
-    out = tmp / f"input{index}.json"
     job = {
         "input": spec.text,
         "seed": options.seed,
@@ -877,21 +875,11 @@ def _run_input(
         "warmup": options.warmup,
         "threads": options.threads,
         "timeout_s": options.timeout_s,
-        "out": str(out),
     }
-    job_path = tmp / f"job{index}.json"
-    job_path.write_text(json.dumps(job))
-    argv = [sys.executable, "-m", "gradsync.bench.sparse_worker", str(job_path)]
-    logs = [tmp / f"input{index}-rank{rank}.log" for rank in range(options.hosts)]
-    port = train.master_port(network)
-    try:
-        with train.launch_ranks(network, argv, options.hosts, port, logs) as procs:
-            train.follow_ranks(procs, logs, options.timeout_s, None, spec.text)
-    except train.BenchError as err:  # its messages name a training strategy
-        raise train.BenchError(
-            str(err).replace(f"strategy {spec.text!r}", f"input {spec.text!r}", 1)
-        ) from None
-    return json.loads(out.read_text())
+    name = f"input {spec.text!r}"
+    return train.run_job(
+        network, "gradsync.bench.sparse_worker", job, options.hosts, tmp / f"input{index}", name
+    )
 
 
 def _check_same_rows(spec: InputSpec, raw: dict[str, Any], sets: Sequence[torch.Tensor]) -> None:

@@ -205,7 +205,6 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
 def _run_one(
     options: BenchOptions, network: Network, strategy: str, tmp: Path, index: int, bar: ProgressBar | None
 ) -> dict[str, Any]:
-    out = tmp / f"run{index}.json"
     spec = {
         "workload": options.workload,
         "workload_options": options.workload_options,
@@ -217,17 +216,35 @@ def _run_one(
         "threads": options.threads,
         "probe_steps": options.probe_steps,
         "timeout_s": options.timeout_s,
-        "out": str(out),
     }
-    spec_path = tmp / f"spec{index}.json"
-    spec_path.write_text(json.dumps(spec))
-    port = master_port(network)
-    argv = [sys.executable, "-m", "gradsync.bench.worker", str(spec_path)]
-    logs = [tmp / f"run{index}-rank{rank}.log" for rank in range(options.world_size)]
-    with launch_ranks(network, argv, options.world_size, port, logs) as procs:
-        follow_ranks(procs, logs, options.timeout_s, bar, strategy)
+    name = f"strategy {strategy!r}"
+    result = run_job(
+        network, "gradsync.bench.worker", spec, options.world_size, tmp / f"run{index}", name, bar
+    )
     if bar is not None:
         bar.close()
+    return result
+
+
+def run_job(
+    network: Network,
+    worker: str,
+    job: dict[str, Any],
+    world_size: int,
+    stem: Path,
+    name: str,
+    bar: ProgressBar | None = None,
+) -> dict[str, Any]:
+    """Run `python -m worker` on every rank with `job` (written to `stem`.json, with its `out`
+    added) and return what rank 0 wrote; BenchError naming `name` if a rank fails or job["timeout_s"]
+    runs out. Rank logs go to `stem`-rank<i>.log."""
+    out = stem.with_name(f"{stem.name}-result.json")
+    spec_path = stem.with_name(f"{stem.name}.json")
+    spec_path.write_text(json.dumps({**job, "out": str(out)}))
+    argv = [sys.executable, "-m", worker, str(spec_path)]
+    logs = [stem.with_name(f"{stem.name}-rank{rank}.log") for rank in range(world_size)]
+    with launch_ranks(network, argv, world_size, master_port(network), logs) as procs:
+        follow_ranks(procs, logs, job["timeout_s"], bar, name)
     return json.loads(out.read_text())
 
 
@@ -275,7 +292,9 @@ def launch_ranks(
 def follow_ranks(
     procs: list[subprocess.Popen], logs: list[Path], timeout_s: float, bar: ProgressBar | None, name: str
 ) -> None:
-    """Show rank 0's per-step lines until every rank exits; raise if one fails or time runs out."""
+    """Show rank 0's per-step lines until every rank exits; raise if one fails or time runs out.
+
+    `name` is what runs, as the messages call it: "strategy 'topk'", "input 'zipf'"."""
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read_rank0() -> None:
@@ -294,7 +313,7 @@ def follow_ranks(
         if not stdout_open and all(p.poll() == 0 for p in procs):
             return
         if time.monotonic() > deadline:
-            raise BenchError(f"strategy {name!r} ran past timeout_s={timeout_s:.0f}; raise --timeout")
+            raise BenchError(f"{name} ran past timeout_s={timeout_s:.0f}; raise --timeout")
         try:
             line = lines.get(timeout=0.5)
         except queue.Empty:
@@ -308,7 +327,7 @@ def follow_ranks(
 
 def _failure(name: str, failed: list[int], procs: list[subprocess.Popen], logs: list[Path]) -> str:
     codes = [procs[rank].returncode for rank in failed]
-    parts = [f"strategy {name!r}: rank(s) {failed} exited with code(s) {codes}"]
+    parts = [f"{name}: rank(s) {failed} exited with code(s) {codes}"]
     for rank in failed:
         text = logs[rank].read_text(errors="replace") if logs[rank].exists() else ""
         tail = "\n".join(text.splitlines()[-_LOG_TAIL:])

@@ -229,7 +229,7 @@ def _hierarchical(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phas
     g, nodes = cluster.gpus_per_node, cluster.nodes
     # The g workers of a node run their inter-node rings at once: each gets 1/g of the NIC.
     share = cost.Link(cluster.inter.alpha_s, cluster.inter.bandwidth_Bps / g)
-    if not strategy.compressed or _summable(strategy):
+    if not _splits_into_shares(strategy, cluster):
         payload = strategy.payload_bytes(numel)
         steps = _codec_phase(strategy, "compress", numel, cluster, 1) if strategy.compressed else []
         steps += [
