@@ -197,5 +197,27 @@ def test_the_sparse_exchange_sends_embedding_rows_by_the_cheapest_scheme_and_the
     assert rows.label == f"sparse {min(predicted, key=predicted.__getitem__)}"
     assert rows.seconds == pytest.approx(min(predicted.values()))
     assert rows.seconds < cost.ring_allreduce_s(4 * embedding.numel, 64, where.inter)
-    with pytest.raises(ValueError, match="use fp32:exchange=sparse"):
+    with pytest.raises(ValueError, match="payload is not sparse rows"):
         parse("fp16:exchange=sparse")
+
+
+def test_a_sparsifier_payload_goes_by_the_cheapest_sparse_scheme_at_the_codecs_density():
+    from gradsync.sparse import cost as sparse_cost
+
+    where = clusters.cluster(4, 8, "v100", "25gbit")
+    numel = 10**7
+    compress, rows, decompress = phases(parse("topk:ratio=0.01:exchange=sparse"), numel, where)
+    assert (compress.label, decompress.label) == ("compress", "decompress")
+    density = parse("topk:ratio=0.01").payload_bytes(numel) / 8 / numel
+    assert density == pytest.approx(0.01, rel=1e-3)
+    union = {m: 1 - (1 - density) ** m for m in (1, 2, 4, 8, 16, 32)}
+    predicted = sparse_cost.seconds(
+        sparse_cost.Sparsity(numel, 1, 4, union),
+        32,
+        sparse_cost.Network(where.inter.alpha_s, where.inter.bandwidth_Bps),
+    )
+    assert rows.label == f"sparse {min(predicted, key=predicted.__getitem__)}"
+    assert rows.seconds == pytest.approx(min(predicted.values()))
+    # One decode of the delivered sum, not one per worker as after an allgather.
+    gathered = phases(parse("topk:ratio=0.01"), numel, where)
+    assert decompress.seconds < gathered[-1].seconds

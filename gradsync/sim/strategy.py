@@ -3,9 +3,10 @@
 A strategy is written `codec[:key=value...]`, with the codec's own arguments plus:
   exchange=allreduce|allgather|hierarchical   the collective; default: allreduce when the codec's
                                               payloads are summable, allgather otherwise;
-  exchange=sparse                             fp32 only: embedding gradients as rows by the sparse
-                                              scheme (Zen's and others) priced cheapest, the rest
-                                              of the group in one allreduce
+  exchange=sparse                             rows by the sparse scheme (Zen's and others) that
+                                              gradsync.sparse prices cheapest: fp32 sends the
+                                              group's embedding gradients so (the rest in one
+                                              allreduce), a sparsifier (topk, dgc) its payload
   on=device|cpu                               where (de)compression runs; cpu offloads it to a
                                               CPU thread, paying the host link both ways
 `fp32` (or `none`) is the plain allreduce; `fp16`, `topk:ratio=0.01`, `qsgd:exchange=hierarchical`
@@ -72,10 +73,11 @@ class Strategy:
             raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
         if self.on not in PLACES:
             raise ValueError(f"on={self.on!r} is not one of {PLACES}")
-        if self.exchange == "sparse" and self.compressed:
+        if self.exchange == "sparse" and self.compressed and not _codec(self.codec, self.args).sparse_rows:
             raise ValueError(
-                f"strategy {self.text!r}: the sparse exchange sends an embedding's rows as they are; "
-                "use fp32:exchange=sparse"
+                f"strategy {self.text!r}: {self.codec}'s payload is not sparse rows, so no sparse scheme "
+                "can send it; the sparse exchange takes fp32 (an embedding's rows) or a sparsifier "
+                "such as topk or dgc"
             )
         if self.compressed:
             codec = _codec(self.codec, self.args)  # unknown names and arguments fail here
@@ -158,7 +160,7 @@ def phases(strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gr
     n, g = cluster.world_size, cluster.gpus_per_node
     if n == 1:
         return []
-    if strategy.exchange == "sparse":
+    if strategy.exchange == "sparse" and not strategy.compressed:
         return _sparse_rows(numel, sparse, cluster)
     if strategy.exchange == "hierarchical" and cluster.nodes > 1 and g > 1:
         return _hierarchical(strategy, numel, cluster)
@@ -169,6 +171,12 @@ def phases(strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gr
     if strategy.exchange == "allgather":
         steps.append(_transfer(cluster, "allgather", payload, n))
         decodes = n  # every worker's payload is decoded and added
+    elif strategy.exchange == "sparse":
+        # The payload's values as rows of one element: the union of n workers' picks is modelled as
+        # independent draws, as for embedding rows (_sparse_rows).
+        kept = payload / 8  # index and value per element sent
+        steps.append(_sparse_phase(numel, 1, kept / numel, cluster))
+        decodes = 1  # the schemes deliver the summed rows
     else:
         dtype = payload_dtype(strategy)
         steps.append(_transfer(cluster, "allreduce", payload, n, dtype))
@@ -188,16 +196,21 @@ def _sparse_rows(numel: int, sparse: Sequence[Gradient], cluster: Cluster) -> li
     n = cluster.world_size
     dense = numel - sum(t.numel for t in sparse)
     steps = [_transfer(cluster, "allreduce", 4 * dense, n)] if dense else []
-    network = _sparse_network(cluster)
     for t in sparse:
         assert t.rows is not None and t.density is not None
-        sizes = {1 << i for i in range(n.bit_length())} | {n}
-        union = {m: 1 - (1 - t.density) ** m for m in sorted(sizes)}
-        rows = Sparsity(t.rows, t.numel // t.rows, 4, union)
-        predicted = sparse_cost.seconds(rows, n, network)
-        scheme = min(predicted, key=predicted.__getitem__)
-        steps.append(Phase("net", f"sparse {scheme}", predicted[scheme]))
+        steps.append(_sparse_phase(t.rows, t.numel // t.rows, t.density, cluster))
     return steps
+
+
+def _sparse_phase(num_rows: int, width: int, density: float, cluster: Cluster) -> Phase:
+    """Rows of a [num_rows, width] fp32 table, `density` of them on each worker, sent by the sparse
+    scheme gradsync.sparse's cost model prices cheapest."""
+    n = cluster.world_size
+    sizes = {1 << i for i in range(n.bit_length())} | {n}
+    union = {m: 1 - (1 - density) ** m for m in sorted(sizes)}
+    predicted = sparse_cost.seconds(Sparsity(num_rows, width, 4, union), n, _sparse_network(cluster))
+    scheme = min(predicted, key=predicted.__getitem__)
+    return Phase("net", f"sparse {scheme}", predicted[scheme])
 
 
 def _sparse_network(cluster: Cluster) -> Network:

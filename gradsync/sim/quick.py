@@ -1,0 +1,141 @@
+"""The planner's timeline: the simulator's layout of one step, for many assignments at once.
+
+The planner (gradsync.planner) weighs thousands of per-group strategy assignments; the event
+simulator (sim/engine.py) takes milliseconds for each. This module lays out the same step as array
+operations over groups, for a batch of assignments (rows) at once, in tens of microseconds:
+
+  - each group's compression on the device runs when the group is ready and delays the rest of
+    the backward pass: ready_i = forward + r_i + (device compression of the groups before i);
+  - offloaded compression and decoding run on the worker's CPU threads, first come first served;
+  - transfers run one at a time in group order: end_i = max(start_i, end_{i-1}) + transfer_i,
+    a max-plus recurrence, solved as cumsum + maximum.accumulate;
+  - decoding on the device shares it with the backward pass while that runs (lengthening it) and
+    queues after it otherwise. Since transfers end in group order, the decodes that share the
+    device are a prefix of the groups, found with one comparison.
+
+For flat collectives, without jitter or measured contention, this is exactly the layout the
+engine computes (tests/test_sim_quick.py checks it). It simplifies two things the engine models:
+a two-level exchange holds the network for the sum of its phases (the engine pipelines its intra-
+and inter-node steps), and measured contention between transfers and compute is left out. The
+planner's final prediction comes from the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cluster import Cluster
+from .compute import Compute, Gradient
+from .strategy import Strategy, phases
+
+# The columns of a cost vector: seconds of one group's exchange on each resource, in the order the
+# engine lays them out.
+DEVICE_PRE, CPU_PRE, NET, DEVICE_POST, CPU_POST = range(5)
+COLUMNS = ("device_pre", "cpu_pre", "net", "device_post", "cpu_post")
+
+
+def cost_vector(
+    strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gradient] = ()
+) -> np.ndarray:
+    """The five costs (COLUMNS) of exchanging one group of `numel` elements by `strategy`: work
+    before its first transfer on the device, then on a CPU thread; everything from its first
+    transfer to its last (the network's time); work after it on the device or on a CPU thread."""
+    out = np.zeros(len(COLUMNS))
+    steps = phases(strategy, numel, cluster, sparse)
+    transfers = [i for i, p in enumerate(steps) if p.resource not in ("device", "cpu")]
+    if not transfers:
+        return out
+    first, last = transfers[0], transfers[-1]
+    for i, phase in enumerate(steps):
+        if i < first:
+            out[DEVICE_PRE if phase.resource == "device" else CPU_PRE] += phase.seconds
+        elif i <= last:
+            out[NET] += phase.seconds
+        else:
+            out[DEVICE_POST if phase.resource == "device" else CPU_POST] += phase.seconds
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One step per row of assignments: its time, and when each group's transfer ran."""
+
+    step_s: np.ndarray  # (rows,)
+    link_start_s: np.ndarray  # (rows, groups): when the group's first transfer starts
+    link_end_s: np.ndarray  # (rows, groups): when its last transfer ends
+
+
+def ready_times(compute: Compute, groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """When each group's last gradient is ready, from the start of the backward pass."""
+    return np.array([compute.gradients[group[-1]].ready_s for group in groups])
+
+
+def layout(compute: Compute, ready_s: np.ndarray, costs: np.ndarray, cpu_threads: int = 2) -> Layout:
+    """Lay out one step for each row of `costs` (rows, groups, 5): group i of row r costs
+    costs[r, i] (see cost_vector). `ready_s` is ready_times(compute, groups)."""
+    costs = np.asarray(costs, dtype=float)
+    if costs.ndim == 2:
+        costs = costs[None]
+    return layout_columns(compute, ready_s, np.ascontiguousarray(np.moveaxis(costs, -1, 0)), cpu_threads)
+
+
+def layout_columns(
+    compute: Compute, ready_s: np.ndarray, columns: np.ndarray, cpu_threads: int = 2, offloads: bool = True
+) -> Layout:
+    """layout() with the costs as columns (5, rows, groups): the planner's hot path. `offloads`
+    False promises that no group runs anything on CPU threads, which saves looking."""
+    device_pre, cpu_pre, net, device_post, cpu_post = columns
+    shift = np.cumsum(device_pre, axis=1)
+    compressed = shift + (compute.forward_s + ready_s)  # ready, then compressed on the device
+    backward_end = shift[:, -1] + (compute.forward_s + compute.backward_s)
+
+    offloads = offloads and bool(cpu_pre.any() or cpu_post.any())
+    threads = _Threads(len(net), cpu_threads) if offloads else None
+    transfer_ready = threads.run_all(compressed, cpu_pre) if threads else compressed
+
+    # Transfers in group order, one at a time; a group with nothing to send does not wait for them.
+    sends = net > 0
+    sent = np.cumsum(net, axis=1)
+    lead = np.maximum.accumulate(np.where(sends, transfer_ready - (sent - net), -np.inf), axis=1)
+    link_end = np.where(sends, sent + lead, transfer_ready)
+
+    # Decoding on the device: the groups whose transfer ends while the backward pass (lengthened by
+    # the decodes before) still runs share the device with it; the rest queue after it.
+    decodes = device_post > 0
+    decoded = np.cumsum(device_post, axis=1)
+    fits = (link_end - (decoded - device_post) < backward_end[:, None]) | ~decodes
+    sharing = np.logical_and.accumulate(fits, axis=1) & decodes
+    backward_end = backward_end + (device_post * sharing).sum(axis=1)
+    queued = decodes & ~sharing
+    queue_cost = device_post * queued
+    queued_sum = np.cumsum(queue_cost, axis=1)
+    queue_lead = np.maximum.accumulate(np.where(queued, link_end - (queued_sum - queue_cost), 0.0), axis=1)
+    done = np.where(queued, queued_sum + queue_lead, link_end + device_post * sharing)
+    if threads is not None:
+        done = np.maximum(done, threads.run_all(link_end, cpu_post))
+    finish = np.maximum(backward_end, done.max(axis=1))
+    return Layout(finish + compute.optimizer_s, link_end - net, link_end)
+
+
+class _Threads:
+    """Each row's CPU threads: the one free first takes the next job, as the engine's do."""
+
+    def __init__(self, rows: int, count: int) -> None:
+        self.free = np.zeros((rows, count))
+        self.rows = np.arange(rows)
+
+    def run_all(self, asked: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """Jobs asked for at `asked` (rows, groups) lasting `seconds`, in group order; their ends
+        (the asked time where a group has no job)."""
+        end = asked.copy()
+        for group in np.flatnonzero(seconds.any(axis=0)):
+            busy = seconds[:, group] > 0
+            thread = self.free.argmin(axis=1)
+            start = np.maximum(asked[:, group], self.free[self.rows, thread])
+            finish = start + seconds[:, group]
+            self.free[self.rows, thread] = np.where(busy, finish, self.free[self.rows, thread])
+            end[:, group] = np.where(busy, finish, asked[:, group])
+        return end
