@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import compress, feedback, sparse
 from .compress.base import check_int
 
+if TYPE_CHECKING:
+    from .plan import Plan
+
 _SEED_BOUND = 2**63 - 1
 NO_COMPRESSION = "none"
+AUTO_PLAN = "auto"  # SyncConfig(plan="auto"): gradsync makes the plan itself (gradsync.autoplan)
 
 
 @dataclass(frozen=True)
@@ -26,18 +31,23 @@ class SyncConfig:
 
     # Compressor name from gradsync.compress.names() and its parameters (see `gradsync list`), or
     # "none": no compression, every bucket exchanged as it is (sparse tensors by sparse_scheme).
+    # Not used to compress when `plan` is a plan (its groups' strategies name their codecs); with
+    # plan="auto" it is the codec the planner may choose besides fp16 and bf16.
     compressor: str = "topk"
     compressor_args: Mapping[str, Any] = field(default_factory=dict)
     # Error feedback: "none", "ef" (residual), "ef21" or "econtrol"; and its parameters
     # (econtrol: {"eta": float}). "auto": "ef" for codecs that need it (biased ones such as
-    # top-k), "none" for the others (casts, unbiased codecs, DGC, the majority vote).
+    # top-k), "none" for the others (casts, unbiased codecs, DGC, the majority vote). With a plan,
+    # "auto" is resolved per group for the group's codec, and an explicit form applies to every
+    # compressed group (each group's codec must accept it).
     error_feedback: str = "auto"
     error_feedback_args: Mapping[str, Any] = field(default_factory=dict)
     # Steps of plain fp32 allreduce before compressing; >= 2, since DDP rebuilds its buckets
     # after the first step and compression state is kept per bucket.
     warmup_steps: int = 10
     # Buckets with fewer elements go uncompressed (fp32 allreduce): for them latency, not
-    # bandwidth, dominates, and compressing only costs time.
+    # bandwidth, dominates, and compressing only costs time. Not applied to a plan's groups: the
+    # plan decided which to compress.
     min_compress_numel: int = 16384
     # Root of every random stream: shared streams (randk, powersgd) are seeded per bucket,
     # local ones (qsgd, terngrad, natural, dgc, sampled topk) per bucket and rank.
@@ -49,6 +59,13 @@ class SyncConfig:
     sparse_scheme: str = "auto"
     # Steps between two measurements of a tensor by the "auto" selector.
     sparse_every: int = 100
+    # Per-group strategies (gradsync.plan.Plan): from the first compressed step on, the hook cuts
+    # the gradients into the plan's groups and exchanges each by its own strategy (codec and
+    # collective); warm-up steps stay fp32 on DDP's buckets. A Plan, the path of a plan file
+    # (read and checked here, so a bad file fails now), a plan's dict as to_dict() writes it, or
+    # "auto" (gradsync makes the plan). None: `compressor` on every DDP bucket. Kept as the Plan.
+    # Not hashed: a plan holds dicts; configs that differ only by plan still compare unequal.
+    plan: Plan | str | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if "seed" in self.compressor_args:
@@ -59,12 +76,22 @@ class SyncConfig:
         # Frozen copies, so that a config cannot change after it was validated.
         object.__setattr__(self, "compressor_args", ReadOnlyDict(self.compressor_args))
         object.__setattr__(self, "error_feedback_args", ReadOnlyDict(self.error_feedback_args))
+        object.__setattr__(self, "plan", _read_plan(self.plan))
         if self.compressor == NO_COMPRESSION:
-            self._check_uncompressed()
+            if self.compressor_args:
+                raise ValueError(
+                    f"compressor_args={dict(self.compressor_args)} given with compressor='none', which "
+                    "takes none; drop them or name a compressor"
+                )
         else:
-            codec = compress.build(self.compressor, **self.compressor_args)
-            self._check_feedback(type(codec))
-            feedback.build(self.feedback_name, **self.error_feedback_args)
+            # Built even where a plan decides the codecs: a misspelt compressor should not pass.
+            compress.build(self.compressor, **self.compressor_args)
+        codecs = self._codecs()
+        if not codecs:
+            self._check_nothing_compressed()
+        for name in codecs:
+            self._check_feedback(name)
+            feedback.build(self.feedback_for(name), **self.error_feedback_args)
         check_int("warmup_steps", self.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
         check_int("min_compress_numel", self.min_compress_numel, 0, why="a count of elements")
         check_int("seed", self.seed, 0, _SEED_BOUND, why="a non-negative integer")
@@ -79,34 +106,44 @@ class SyncConfig:
     @property
     def feedback_name(self) -> str:
         """The error-feedback form in use: error_feedback, with "auto" resolved for the codec."""
-        if self.error_feedback != "auto" or self.compressor == NO_COMPRESSION:
-            return "none" if self.compressor == NO_COMPRESSION else self.error_feedback
-        return "ef" if compress.lookup(self.compressor).needs_feedback else "none"
+        return self.feedback_for(self.compressor)
+
+    def feedback_for(self, codec: str) -> str:
+        """The error-feedback form for the codec named `codec` ("none": uncompressed): error_feedback,
+        with "auto" resolved for that codec."""
+        if codec == NO_COMPRESSION:
+            return "none"
+        if self.error_feedback != "auto":
+            return self.error_feedback
+        return "ef" if compress.lookup(codec).needs_feedback else "none"
 
     def build_compressor(self, seed: int) -> compress.Compressor:
         """A fresh compressor; `seed` goes to those that draw random numbers."""
-        args = dict(self.compressor_args)
-        if "seed" in compress.parameters(self.compressor):
-            args["seed"] = seed
-        return compress.build(self.compressor, **args)
+        return build_codec(self.compressor, self.compressor_args, seed)
 
-    def build_feedback(self) -> feedback.Feedback:
-        return feedback.build(self.feedback_name, **self.error_feedback_args)
+    def build_feedback(self, codec: str | None = None) -> feedback.Feedback:
+        """A fresh error-feedback form for the codec named `codec` (default: `compressor`)."""
+        return feedback.build(self.feedback_for(codec or self.compressor), **self.error_feedback_args)
 
-    def _check_uncompressed(self) -> None:
-        if self.compressor_args:
-            raise ValueError(
-                f"compressor_args={dict(self.compressor_args)} given with compressor='none', which takes "
-                "none; drop them or name a compressor"
-            )
+    def _codecs(self) -> list[str]:
+        """The codecs compression may use: the plan's (each once, in group order), else the compressor."""
+        if self.plan is not None and self.plan != AUTO_PLAN:
+            return list(dict.fromkeys(s.codec for s in self.plan.strategies if s.compressed))
+        return [] if self.compressor == NO_COMPRESSION else [self.compressor]
+
+    def _check_nothing_compressed(self) -> None:
         if self.error_feedback not in ("auto", "none") or self.error_feedback_args:
+            planned = self.plan is not None and self.plan != AUTO_PLAN
+            where = "the plan compresses no group" if planned else "compressor='none'"
             raise ValueError(
-                f"error_feedback={self.error_feedback!r} given with compressor='none': nothing is lost "
-                "without compression, so there is no error to feed back; leave it at 'auto'"
+                f"error_feedback={self.error_feedback!r} given, but {where}: nothing is lost without "
+                "compression, so there is no error to feed back; leave it at 'auto'"
             )
 
-    def _check_feedback(self, codec: type[compress.Compressor]) -> None:
-        form = self.error_feedback
+    def _check_feedback(self, name: str) -> None:
+        """Refuse an error-feedback form the codec named `name` cannot take; warn where a biased
+        codec goes without one."""
+        codec, form = compress.lookup(name), self.error_feedback
         if form == "auto" and self.error_feedback_args:
             raise ValueError(
                 f"error_feedback_args={dict(self.error_feedback_args)} given with error_feedback='auto'; "
@@ -115,33 +152,73 @@ class SyncConfig:
         if form in ("auto", "none"):
             if form == "none" and codec.needs_feedback:
                 warnings.warn(
-                    f"compressor {self.compressor!r} is biased and error_feedback='none': what it drops "
+                    f"compressor {name!r} is biased and error_feedback='none': what it drops "
                     "is lost for good, which usually costs accuracy; use error_feedback='ef'",
-                    stacklevel=4,
+                    stacklevel=4,  # the caller of SyncConfig(...)
                 )
             return
         if codec.owns_memory:
             raise ValueError(
-                f"compressor {self.compressor!r} keeps its own error memory, so error_feedback="
+                f"compressor {name!r} keeps its own error memory, so error_feedback="
                 f"{form!r} would count what it holds back twice; use error_feedback='none' or 'auto'"
             )
         if codec.majority_vote:
             raise ValueError(
-                f"compressor {self.compressor!r} combines ranks by majority vote, a unit step per "
+                f"compressor {name!r} combines ranks by majority vote, a unit step per "
                 f"element rather than an estimate of the gradient, so error_feedback={form!r} does "
                 "not apply; use error_feedback='none' or 'auto'"
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """Plain data: mappings as dicts, a plan as its dict; SyncConfig(**to_dict()) is equal."""
+        out = {
             f.name: dict(value) if isinstance(value, Mapping) else value
             for f in fields(self)
             for value in [getattr(self, f.name)]
         }
+        if self.plan is not None and self.plan != AUTO_PLAN:
+            out["plan"] = self.plan.to_dict()
+        return out
 
     def fingerprint(self) -> str:
         """Canonical text of the config: equal on two ranks exactly when their configs are."""
         return json.dumps(self.to_dict(), sort_keys=True, default=repr)
+
+
+def build_codec(name: str, args: Mapping[str, Any], seed: int) -> compress.Compressor:
+    """A fresh compressor `name` with `args`; `seed` goes to those that draw random numbers."""
+    args = dict(args)
+    if "seed" in compress.parameters(name):
+        args["seed"] = seed
+    return compress.build(name, **args)
+
+
+def _read_plan(value: Any) -> Plan | str | None:
+    """The plan `value` names, read and parsed: a Plan, or None, or "auto" as they are."""
+    if value is None or (isinstance(value, str) and value == AUTO_PLAN):
+        return value
+    # Imported here: gradsync.plan imports the simulator, which imports this module.
+    from .plan import Plan
+
+    if isinstance(value, Plan):
+        plan = value
+    elif isinstance(value, Mapping):
+        plan = Plan.from_dict(value)
+    elif isinstance(value, (str, os.PathLike)):
+        plan = Plan.load(value)  # ValueError naming the file and what is wrong with it
+    else:
+        raise TypeError(
+            f"plan={value!r} is a {type(value).__name__}; give a gradsync.plan.Plan, the path of a plan "
+            f"file (`gradsync plan` writes one), or {AUTO_PLAN!r}"
+        )
+    for index, strategy in enumerate(plan.strategies):
+        if "seed" in dict(strategy.args):
+            raise ValueError(
+                f"plan group {index} has strategy {plan.groups[index].strategy!r}, which sets seed; drop "
+                "it and set SyncConfig(seed=...) instead: gradsync derives each group's seed from it so "
+                "that ranks agree"
+            )
+    return plan
 
 
 class ReadOnlyDict(dict):

@@ -1,5 +1,9 @@
 """The DDP communication hook: its state, the hook itself, and register().
 
+Without a plan, every DDP bucket is one compression point, compressed by config.compressor. With
+a plan (SyncConfig.plan), the steps from the first compressed one on are cut into the plan's groups
+(gradsync.regroup), each a compression point exchanged by its own strategy.
+
 No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
 """
 
@@ -8,17 +12,18 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from . import exchange
+from . import compress, exchange, feedback
 from .comm import Comm, TorchComm, allgather_object, allreduce_sent_bytes, completed
 from .compress import Compressor, lookup
-from .config import NO_COMPRESSION, SyncConfig
+from .config import AUTO_PLAN, NO_COMPRESSION, SyncConfig, build_codec
 from .feedback import Feedback
 from .regroup import Regroup
 from .sparse.result import SparseResult
@@ -26,12 +31,18 @@ from .sparse.router import AUTO, Router
 from .sparse.rows import SparseRows
 from .trace import BucketRecord, Trace
 
+if TYPE_CHECKING:  # not imported at run time: gradsync.plan pulls in the planner and simulator
+    from .autoplan import Auto
+    from .plan import Plan
+    from .sim.strategy import Strategy
+
 log = logging.getLogger("gradsync")
 
 
 @dataclass
 class CompressionPoint:
-    """One bucket's compressor and error memory: everything compression keeps between steps."""
+    """One bucket's (or plan group's) compressor and error memory: everything compression keeps
+    between steps."""
 
     numel: int
     codec: Compressor
@@ -70,11 +81,16 @@ class SyncState:
         self.config = config
         # -- the ranks to average over (not pickled)
         self.comm: Comm | None = comm
+        # The plan executed from the first compressed step on (a Plan in the config); None: each
+        # DDP bucket compressed by config.compressor. register() checks it against the model.
+        self.plan: Plan | None = None
+        self._strategies: list[Strategy] = []  # the plan's, parsed once
         # -- internal state
         self.step = 0  # training steps whose last bucket reached the hook
-        self.points: dict[int, CompressionPoint] = {}  # by DDP bucket index
+        self.points: dict[int, CompressionPoint] = {}  # by DDP bucket index, or by plan group
         # Each bucket's parameters (positions in model.parameters()) in buffer order, as of the
-        # compressed steps: a restored state needs them when DDP lays out buckets otherwise.
+        # compressed steps: a restored state needs them when DDP lays out buckets otherwise. With
+        # a plan: its groups.
         self.layout: dict[int, tuple[int, ...]] = {}
         self._param_index: dict[int, int] | None = None  # id(parameter) -> position; by register()
         self._param_shapes: list[torch.Size] | None = None  # by position; by register()
@@ -87,6 +103,21 @@ class SyncState:
         self._ranks_agree = False  # set once every rank's config was compared
         # -- statistics
         self.trace = Trace()
+        self._executed: dict[int, dict[str, Any]] = {}  # plan group -> its newest exchange, for stats()
+        # plan="auto": what measures, plans and confirms in the first steps (by register()).
+        self.auto: Auto | None = None
+        if config.plan is not None and config.plan != AUTO_PLAN:
+            self.use_plan(config.plan)
+
+    def use_plan(self, plan: "Plan") -> None:
+        """Execute `plan` from the next compressed step on: its groups become the compression
+        points (any earlier ones are dropped) and the layout. Every rank must adopt the same plan
+        at the same step; register() does it for a plan in the config."""
+        self.plan = plan
+        self._strategies = plan.strategies
+        self.layout = {index: group.params for index, group in enumerate(plan.groups)}
+        self.points = {}
+        self._executed = {}
 
     def sync(
         self, buffer: torch.Tensor, bucket_index: int, is_last: bool, may_compress: bool = True
@@ -96,41 +127,17 @@ class SyncState:
         The future holds a tensor shaped like `buffer`: `buffer` itself where the average can be
         written there (uncompressed steps; compressed ones whose payloads are allgathered, where
         nothing reads `buffer` any more, see below), else a fresh one. `buffer` is divided by the
-        world size in place and must stay untouched until the future completes.
+        world size in place and must stay untouched until the future completes. With a plan,
+        `bucket_index` is the plan group's index and `buffer` its gradients, except where
+        may_compress is False (a DDP bucket of a warm-up step).
         """
         comm = self._comm()
         step = self._begin(is_last, buffer.device)
         buffer.div_(comm.world_size)  # before compressing: low-precision sums cannot overflow
-        compress = (
-            may_compress
-            and self.config.compressor != NO_COMPRESSION
-            and step >= self.config.warmup_steps
-            and buffer.numel() >= self.config.min_compress_numel
-        )
-        if not compress:
-            segments = self._sparse_segments(buffer, bucket_index, step, may_compress)
-            if segments is not None:
-                return completed(self._sync_segments(buffer, bucket_index, step, segments))
-            future = exchange.start(None, buffer, comm)
-            return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, None))
-        point = self._point(bucket_index, buffer)
-        finite = _is_finite(buffer)
-        # A non-finite gradient never enters a memory: it is not even added to one.
-        p = point.feedback.prepare(buffer) if finite else buffer
-        # The sum is decoded into `buffer`, as PyTorch's own hooks return the bucket they were
-        # given: a fresh full-size tensor costs as much in page faults as a copy, and DDP has
-        # nothing to copy back where gradients are views of the bucket. Only when nothing reads
-        # `buffer` afterwards: what was compressed is another tensor, and feedback's update does
-        # not read the gradient.
-        into_buffer = p is not buffer and not type(point.feedback).reads_gradient
-        key = f"bucket {bucket_index}"
-
-        def route(rows: SparseRows, finite: bool) -> SparseResult:
-            return self.sparse.sync(key, rows, comm, step, finite)
-
-        out = buffer if into_buffer else None
-        future = exchange.start(point.codec, p, comm, finite, out=out, sparse=route)
-        return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, (point, p)))
+        strategy = self._strategies[bucket_index] if self.plan is not None and may_compress else None
+        if not self._compresses(buffer, step, may_compress, strategy):
+            return self._sync_uncompressed(buffer, bucket_index, step, may_compress, strategy)
+        return self._sync_compressed(buffer, bucket_index, step, strategy)
 
     def sync_rows(self, grad: torch.Tensor, key: str, is_last: bool) -> Future[torch.Tensor]:
         """Average a sparse COO gradient (nn.Embedding(sparse=True)) over the ranks through
@@ -143,14 +150,26 @@ class SyncState:
         result = self.sparse.sync(key, rows, comm, step)
         total = result.total.rows().to_coo(grad.shape)
         payload_bytes = rows.nnz * (4 + rows.width * rows.values.element_size())
-        self._record_uncompressed(step, -1, grad.numel(), payload_bytes, result.bytes_sent, clock)
+        self._record_uncompressed(step, -1, grad.numel(), payload_bytes, result.bytes_sent, clock, "sparse")
         return completed(total)
 
     def stats(self) -> dict[str, Any]:
         """Bytes and seconds per step and in total (see Trace.stats), and under "sparse" each
         sparse-synced tensor's scheme, density, overlap, densification and imbalance (see
-        gradsync.sparse.router.Router.stats)."""
-        return {"step": self.step, **self.trace.stats(), "sparse": self.sparse.stats()}
+        gradsync.sparse.router.Router.stats).
+
+        With a plan, under "groups", per plan group in index order, what its newest exchange ran
+        (None before its first, in warm-up): {"group", "step", "strategy" (the plan's text),
+        "codec" (the compressor's registry name, or "none"), "exchange" (the scheme that ran,
+        one of gradsync.exchange.SCHEMES), "feedback" (the error-feedback form), "numel",
+        "tensors", "bytes_sent", "payload_bytes"}.
+        """
+        out = {"step": self.step, **self.trace.stats(), "sparse": self.sparse.stats()}
+        if self.auto is not None:
+            out["auto"] = self.auto.stats()
+        if self.plan is not None:
+            out["groups"] = [self._executed.get(index) for index in range(len(self.plan.groups))]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the exact same trajectory."""
@@ -160,6 +179,8 @@ class SyncState:
             "points": {index: point.state_dict() for index, point in self.points.items()},
             "layout": {index: list(params) for index, params in self.layout.items()},
             "sparse": self.sparse.state_dict(),
+            # The plan plan="auto" adopted: a resumed run executes it rather than planning anew.
+            "plan": self.plan.to_dict() if self.auto is not None and self.plan is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -170,6 +191,10 @@ class SyncState:
                 "resume with the same SyncConfig"
             )
         self.step = state["step"]
+        if self.auto is not None and state.get("plan") is not None:
+            from .plan import Plan
+
+            self.auto.restore(Plan.from_dict(state["plan"]))
         self.points = {}
         for index, saved_point in state["points"].items():
             point = self._new_point(int(index), saved_point["numel"])
@@ -184,7 +209,7 @@ class SyncState:
 
     def __getstate__(self) -> dict[str, Any]:
         # The process group cannot be pickled; everything else can.
-        return {**self.__dict__, "comm": None, "_param_index": None}
+        return {**self.__dict__, "comm": None, "_param_index": None, "auto": None}
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -204,6 +229,78 @@ class SyncState:
         if is_last:
             self.step += 1
         return step
+
+    def _sync_uncompressed(
+        self,
+        buffer: torch.Tensor,
+        bucket_index: int,
+        step: int,
+        may_compress: bool,
+        strategy: "Strategy | None",
+    ) -> Future[torch.Tensor]:
+        # A plan's fp32 group goes through gradsync.sparse only where its strategy says so.
+        if strategy is None or strategy.exchange == "sparse":
+            segments = self._sparse_segments(buffer, bucket_index, step, may_compress)
+            if segments is not None:
+                return completed(self._sync_segments(buffer, bucket_index, step, segments, strategy))
+        future = exchange.start(None, buffer, self._comm())
+        return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, None, strategy))
+
+    def _sync_compressed(
+        self, buffer: torch.Tensor, bucket_index: int, step: int, strategy: "Strategy | None"
+    ) -> Future[torch.Tensor]:
+        comm = self._comm()
+        point = self._point(bucket_index, buffer)
+        finite = _is_finite(buffer)
+        # A non-finite gradient never enters a memory: it is not even added to one.
+        p = point.feedback.prepare(buffer) if finite else buffer
+        # The sum is decoded into `buffer`, as PyTorch's own hooks return the bucket they were
+        # given: a fresh full-size tensor costs as much in page faults as a copy, and DDP has
+        # nothing to copy back where gradients are views of the bucket. Only when nothing reads
+        # `buffer` afterwards: what was compressed is another tensor, and feedback's update does
+        # not read the gradient.
+        into_buffer = p is not buffer and not type(point.feedback).reads_gradient
+        key = f"group {bucket_index}" if strategy is not None else f"bucket {bucket_index}"
+
+        def route(rows: SparseRows, finite: bool) -> SparseResult:
+            return self.sparse.sync(key, rows, comm, step, finite)
+
+        sparse, allgather = self._exchange_options(point.codec, strategy)
+        future = exchange.start(
+            point.codec,
+            p,
+            comm,
+            finite,
+            out=buffer if into_buffer else None,
+            sparse=route if sparse else None,
+            allgather=allgather,
+        )
+        return future.then(
+            lambda f: self._finish(f.value(), step, bucket_index, buffer, (point, p), strategy)
+        )
+
+    def _compresses(
+        self, buffer: torch.Tensor, step: int, may_compress: bool, strategy: "Strategy | None"
+    ) -> bool:
+        if not may_compress or step < self.config.warmup_steps:
+            return False
+        if strategy is not None:
+            return strategy.compressed  # the plan decided: min_compress_numel does not apply
+        return self.config.compressor != NO_COMPRESSION and buffer.numel() >= self.config.min_compress_numel
+
+    @staticmethod
+    def _exchange_options(codec: Compressor, strategy: "Strategy | None") -> tuple[bool, bool]:
+        """(through the sparse route, allgather forced) for `codec` under a plan group's strategy.
+
+        Without a plan the codec's capabilities decide (sparse-row payloads take the route). The
+        strategy syntax writes exchange=allgather for every codec that is not summable, so for
+        multi-round codecs and majority votes, which cannot be allgathered, it means their own
+        scheme, and stats() reports which ran.
+        """
+        if strategy is None:
+            return True, False
+        forced = strategy.exchange == "allgather" and exchange.can_allgather(codec)
+        return strategy.exchange == "sparse", forced
 
     def _sparse_segments(
         self, buffer: torch.Tensor, bucket_index: int, step: int, may_compress: bool
@@ -261,7 +358,12 @@ class SyncState:
         return [_Segment(f"bucket {bucket_index}", 0, numel, 1)]
 
     def _sync_segments(
-        self, buffer: torch.Tensor, bucket_index: int, step: int, segments: list[_Segment]
+        self,
+        buffer: torch.Tensor,
+        bucket_index: int,
+        step: int,
+        segments: list[_Segment],
+        strategy: "Strategy | None" = None,
     ) -> torch.Tensor:
         """Consecutive dense tensors by one allreduce each run, sparse ones through the router."""
         comm = self._comm()
@@ -285,11 +387,21 @@ class SyncState:
                 sent += result.bytes_sent
         for future in pending:
             future.wait()
-        self._record_uncompressed(step, bucket_index, buffer.numel(), buffer.nbytes, sent, clock)
+        scheme = "sparse" if any(seg.sparse for seg in segments) else "plain"
+        self._record_uncompressed(step, bucket_index, buffer.numel(), buffer.nbytes, sent, clock, scheme)
+        if strategy is not None:
+            self._note_group(bucket_index, step, None, scheme, buffer.numel(), buffer.nbytes, sent)
         return buffer
 
     def _record_uncompressed(
-        self, step: int, bucket_index: int, numel: int, payload_bytes: int, bytes_sent: int, started: float
+        self,
+        step: int,
+        bucket_index: int,
+        numel: int,
+        payload_bytes: int,
+        bytes_sent: int,
+        started: float,
+        scheme: str,
     ) -> None:
         """Trace an exchange that compressed nothing and took since `started` (perf_counter)."""
         self.trace.record(
@@ -298,6 +410,7 @@ class SyncState:
                 bucket=bucket_index,
                 numel=numel,
                 compressed=False,
+                scheme=scheme,
                 payload_bytes=payload_bytes,
                 bytes_sent=bytes_sent,
                 bytes_fp32=allreduce_sent_bytes(4 * numel, self._comm().world_size),
@@ -314,6 +427,7 @@ class SyncState:
         bucket_index: int,
         buffer: torch.Tensor,
         compressed: tuple[CompressionPoint, torch.Tensor] | None,
+        strategy: "Strategy | None" = None,
     ) -> torch.Tensor:
         if not result.finite:
             out = torch.full_like(buffer, math.nan)  # AMP's GradScaler then skips the step
@@ -331,6 +445,7 @@ class SyncState:
                 bucket=bucket_index,
                 numel=numel,
                 compressed=compressed is not None,
+                scheme=result.scheme,
                 payload_bytes=result.payload_bytes,
                 bytes_sent=result.bytes_sent,
                 bytes_fp32=exchange.allreduce_sent_bytes(4 * numel, self._comm().world_size),
@@ -339,7 +454,38 @@ class SyncState:
                 decompress_s=result.seconds.get("decompress", 0.0),
             )
         )
+        if strategy is not None:
+            point = None if compressed is None else compressed[0]
+            self._note_group(
+                bucket_index, step, point, result.scheme, numel, result.payload_bytes, result.bytes_sent
+            )
         return out
+
+    def _note_group(
+        self,
+        index: int,
+        step: int,
+        point: CompressionPoint | None,
+        scheme: str,
+        numel: int,
+        payload_bytes: int,
+        bytes_sent: int,
+    ) -> None:
+        """Keep what plan group `index` ran at `step`, for stats(): read from the objects that ran
+        it (the compression point, the exchange's result), not from the plan."""
+        assert self.plan is not None
+        self._executed[index] = {
+            "group": index,
+            "step": step,
+            "strategy": self.plan.groups[index].strategy,
+            "codec": NO_COMPRESSION if point is None else _registry_name(compress.REGISTRY, point.codec),
+            "exchange": scheme,
+            "feedback": "none" if point is None else _registry_name(feedback.REGISTRY, point.feedback),
+            "numel": numel,
+            "tensors": len(self.layout[index]),
+            "bytes_sent": bytes_sent,
+            "payload_bytes": payload_bytes,
+        }
 
     def _point(self, bucket_index: int, buffer: torch.Tensor) -> CompressionPoint:
         point = self.points.get(bucket_index)
@@ -354,11 +500,17 @@ class SyncState:
         return point
 
     def _new_point(self, bucket_index: int, numel: int) -> CompressionPoint:
+        """A fresh point for a bucket (config.compressor), or for a plan group (its strategy's codec)."""
         comm = self._comm()
-        local_stream = lookup(self.config.compressor).randomness == "local"
+        if self.plan is None:
+            name, args = self.config.compressor, dict(self.config.compressor_args)
+        else:
+            strategy = self._strategies[bucket_index]
+            name, args = strategy.codec, dict(strategy.args)
+        local_stream = lookup(name).randomness == "local"
         rank = comm.rank if local_stream else 0
         seed = _derive_seed(self.config.seed, bucket_index, rank)
-        return CompressionPoint(numel, self.config.build_compressor(seed), self.config.build_feedback())
+        return CompressionPoint(numel, build_codec(name, args, seed), self.config.build_feedback(name))
 
     def _check_ranks_agree(self, device: torch.device) -> None:
         """Fail on every rank, with the same message, when ranks were configured differently.
@@ -388,6 +540,10 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         (param,) = bucket.parameters()
         key = f"param {state._param_index[id(param)]}" if state._param_index else f"bucket {index}"
         return state.sync_rows(buffer, key, is_last)
+    if state.auto is not None and not state.auto.done:
+        return state.auto.hook(bucket, is_last)
+    if state.plan is not None:
+        return _planned(state, bucket, is_last)
     if state._param_index is None or (
         state._regroup is None and not first_iteration and index in state._layout_checked
     ):
@@ -408,6 +564,28 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         state._regroup = Regroup(state.sync, state.layout)
     numels = [p.numel() for p in bucket_params]
     future = state._regroup.add(bucket.buffer(), params, numels, is_last)
+    if is_last:
+        state._regroup = None
+    return future
+
+
+def _planned(state: SyncState, bucket: dist.GradBucket, is_last: bool) -> Future[torch.Tensor]:
+    """The hook under a plan: warm-up steps average DDP's buckets in fp32; from the first
+    compressed step on, the plan's groups are cut out of the buckets and each exchanged by its own
+    strategy. The plan's groups do not depend on DDP's buckets, so a state restored past warm-up
+    compresses the first iteration of a fresh DDP model too."""
+    if state._regroup is None:
+        if state.step < state.config.warmup_steps:
+            return state.sync(bucket.buffer(), bucket.index(), is_last, may_compress=False)
+        state._regroup = Regroup(state.sync, state.layout)
+    if state._param_index is None:
+        raise RuntimeError(
+            "gradsync's hook runs a plan but does not know the model's parameters: install it with "
+            "gradsync.register(ddp_model, config), not register_comm_hook"
+        )
+    bucket_params = bucket.parameters()
+    params = tuple(state._param_index[id(p)] for p in bucket_params)
+    future = state._regroup.add(bucket.buffer(), params, [p.numel() for p in bucket_params], is_last)
     if is_last:
         state._regroup = None
     return future
@@ -444,12 +622,85 @@ def register(model: DistributedDataParallel, config: SyncConfig | None = None) -
         config = SyncConfig()
     if not isinstance(config, SyncConfig):
         raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
-    state = SyncState(config, TorchComm(model.process_group))
+    comm = TorchComm(model.process_group)
+    plan = _resolve_plan(config, model, comm.world_size)  # a bad plan fails here, before training
+    state = SyncState(config, comm)  # adopts a Plan the config holds
+    if plan is not state.plan:  # one resolved here rather than given (plan="auto")
+        state.use_plan(plan)
     state._param_index = {id(p): i for i, p in enumerate(model.parameters())}
     state._param_shapes = [p.shape for p in model.parameters()]
+    if config.plan == AUTO_PLAN:
+        from .autoplan import Auto
+
+        state.auto = Auto(state, model)
     model.register_comm_hook(state, hook)
     log.info("gradsync registered on rank %d of %d: %s", state.comm.rank, state.comm.world_size, config)
     return state
+
+
+def _resolve_plan(config: SyncConfig, model: DistributedDataParallel, world_size: int) -> "Plan | None":
+    """The plan the hook will execute, checked against the model and the runtime; None without one.
+
+    The one place a plan is resolved: plan="auto" is to be made here.
+    """
+    if config.plan is None:
+        return None
+    if config.plan == AUTO_PLAN:
+        sparse = sorted(_sparse_gradient_params(model))
+        if sparse:
+            raise ValueError(
+                f"SyncConfig(plan='auto'): parameters {sparse} have sparse (COO) gradients "
+                "(nn.Embedding(sparse=True)), which a plan's groups cannot hold; use sparse=False (the "
+                "planner then weighs sending the embedding's rows by gradsync.sparse), or no plan"
+            )
+        return None  # made in the first steps: gradsync.autoplan
+    plan = config.plan
+    plan.check(model, world_size)
+    _check_executable(plan, model)
+    return plan
+
+
+def _check_executable(plan: "Plan", model: nn.Module) -> None:
+    """Refuse, before training, what the hook cannot execute yet, naming the group and the fix."""
+    params = list(model.parameters())
+    sparse_grads = _sparse_gradient_params(model)
+    for index, (group, strategy) in enumerate(zip(plan.groups, plan.strategies, strict=True)):
+        where = f"plan group {index} (strategy {group.strategy!r})"
+        if strategy.exchange == "hierarchical":
+            raise ValueError(
+                f"{where}: exchange=hierarchical needs intra- and inter-node process groups, which "
+                "gradsync's hook does not build yet; use exchange=allreduce (summable codecs) or "
+                "exchange=allgather, or make the plan afresh"
+            )
+        on_device = [p for p in group.params if params[p].device.type != "cpu"]
+        if strategy.on == "cpu" and on_device:
+            raise ValueError(
+                f"{where}: on=cpu offloads compression to a CPU thread, which gradsync's hook does not "
+                f"do yet, and parameters {on_device} are on {params[on_device[0]].device}; drop on=cpu "
+                "(compress on the device) or make the plan afresh"
+            )
+        sparse = sorted(sparse_grads & set(group.params))
+        if sparse:
+            raise ValueError(
+                f"{where}: parameters {sparse} have sparse (COO) gradients (nn.Embedding(sparse=True)), "
+                "which a plan's groups cannot hold yet; use sparse=False and strategy "
+                "fp32:exchange=sparse for the embedding, or run without a plan"
+            )
+
+
+def _sparse_gradient_params(model: nn.Module) -> set[int]:
+    """Positions in model.parameters() of the parameters whose gradients are sparse COO tensors."""
+    sparse = {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+    }
+    return {index for index, p in enumerate(model.parameters()) if id(p) in sparse}
+
+
+def _registry_name(table: dict[str, type], obj: object) -> str:
+    """The name `obj`'s class is registered under in `table`."""
+    return next(name for name, cls in table.items() if type(obj) is cls)
 
 
 def _describe_differences(fingerprints: list[str]) -> str:

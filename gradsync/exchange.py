@@ -2,7 +2,8 @@
 
 The scheme follows the compressor's declared capabilities:
   allreduce  summable payloads: one allreduce of the payload tensors concatenated (one dtype).
-  allgather  any other payload: one allgather of each rank's payload bytes; codecs whose payload
+  allgather  any other payload, or a summable one when the caller asks (a plan's
+             exchange=allgather): one allgather of each rank's payload bytes; codecs whose payload
              size varies from rank to rank exchange their sizes first.
   rounds     multi-round summable codecs (PowerSGD): one allreduce per round.
   vote       majority-vote codecs (signSGD, Signum): each rank's sign bits become 0/1 votes in
@@ -41,6 +42,7 @@ from .wire import decode_indices, field_bits, pack_fields, unpack_bits, unpack_f
 
 Local = Callable[[], torch.Tensor]
 RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
+SCHEMES = ("plain", "allreduce", "allgather", "rounds", "vote", "sparse")
 SparseRoute = Callable[[SparseRows, bool], SparseResult]  # (this rank's rows, finite) -> the sum
 
 
@@ -48,6 +50,7 @@ SparseRoute = Callable[[SparseRows, bool], SparseResult]  # (this rank's rows, f
 class Exchanged:
     """The outcome of one exchange, as seen by one rank."""
 
+    scheme: str  # the scheme that ran: one of SCHEMES
     total: torch.Tensor | None  # decoded sum over ranks, same bits on every rank; None if not finite
     local: Local  # this rank's own decoded payload, for error feedback
     finite: bool  # False when any rank's input was not finite
@@ -76,6 +79,7 @@ def start(
     finite: bool = True,
     out: torch.Tensor | None = None,
     sparse: SparseRoute | None = None,
+    allgather: bool = False,
 ) -> Future[Exchanged]:
     """Compress `x`, launch its exchange and return a future of the result.
 
@@ -85,13 +89,17 @@ def start(
     it) is where the allgather scheme decodes the sum, which is then `out` itself, instead of a
     fresh tensor; the other schemes take the sum from the collective's own buffer and ignore it.
     `sparse` exchanges the payloads of sparse-row codecs (declared `sparse_rows`) instead of the
-    allgather; the sum is then written into `out` too.
+    allgather; the sum is then written into `out` too. `allgather` takes the allgather scheme
+    whatever the codec's other capabilities (summable, sparse rows); codecs without a decode per
+    payload (see can_allgather) refuse it.
     """
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
             f"out is {out.dtype} {tuple(out.shape)} on {out.device} but x is {x.dtype} {tuple(x.shape)} "
             f"on {x.device}: the sum is decoded into out, so it must match x"
         )
+    if allgather:
+        _check_allgather(codec, sparse)
     clock = _Clock()
     if codec is None:
         return _plain(x, comm, clock)
@@ -112,11 +120,31 @@ def start(
 
     if type(codec).majority_vote:
         return _vote(payload, x, comm, finite, clock, local, subtract_local)
-    if type(codec).summable:
+    if type(codec).summable and not allgather:
         return _allreduce(payload, comm, finite, clock, decode_summed)
     if type(codec).sparse_rows and sparse is not None:
         return _sparse(payload, x, finite, clock, local, subtract_local, out, sparse)
     return _allgather(codec, payload, ctx, x, comm, finite, clock, local, subtract_local, out)
+
+
+def can_allgather(codec: Compressor) -> bool:
+    """Whether `codec`'s payloads can be allgathered and decoded one by one into the sum.
+
+    Not so for multi-round codecs (PowerSGD: each round's sum feeds the next) and majority votes
+    (signSGD: the ranks' signs combine by vote, not by sum); they always take their own scheme.
+    """
+    return codec.rounds == 1 and not type(codec).majority_vote
+
+
+def _check_allgather(codec: Compressor | None, sparse: SparseRoute | None) -> None:
+    if codec is None or not can_allgather(codec) or sparse is not None:
+        what = "no codec" if codec is None else type(codec).__name__
+        what += " and a sparse route" if sparse is not None else ""
+        raise ValueError(
+            f"allgather=True with {what}: the allgather scheme decodes each rank's payload on its own, "
+            "which needs a single-round codec that is not a majority vote, and no sparse route; "
+            "drop allgather=True (or the sparse route)"
+        )
 
 
 def _plain(x: torch.Tensor, comm: Comm, clock: _Clock) -> Future[Exchanged]:
@@ -125,7 +153,7 @@ def _plain(x: torch.Tensor, comm: Comm, clock: _Clock) -> Future[Exchanged]:
     def done(future: Future[torch.Tensor]) -> Exchanged:
         clock.lap("communicate")
         sent = allreduce_sent_bytes(nbytes, comm.world_size)
-        return Exchanged(future.value(), lambda: x, True, nbytes, sent, clock.seconds)
+        return Exchanged("plain", future.value(), lambda: x, True, nbytes, sent, clock.seconds)
 
     return comm.allreduce(x).then(done)
 
@@ -137,9 +165,10 @@ def _allreduce(
     clock: _Clock,
     decode: Callable[[Payload], tuple[torch.Tensor, Local, RemoveLocal | None]],
     spent: tuple[int, int] = (0, 0),
+    scheme: str = "allreduce",
 ) -> Future[Exchanged]:
     """Sum the payload over ranks; `decode` turns the summed payload into (total, local,
-    subtract_local)."""
+    subtract_local). `spent`: bytes (payload, sent) of earlier rounds of `scheme`."""
     # The frame is a copy: error feedback decodes the unsummed payload after the exchange.
     frame = _framed([t.reshape(-1) for t in payload], finite)
     payload_bytes = spent[0] + frame.nbytes - frame.element_size()
@@ -149,10 +178,10 @@ def _allreduce(
         clock.lap("communicate")
         summed_frame = future.value()
         if summed_frame[-1] != 0 or not _all_finite((summed_frame,)):
-            return Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds)
+            return Exchanged(scheme, None, _not_finite, False, payload_bytes, sent, clock.seconds)
         total, local, subtract_local = decode(_split(summed_frame[:-1], payload))
         clock.lap("decompress")
-        return Exchanged(total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
+        return Exchanged(scheme, total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
 
     return comm.allreduce(frame).then(done)
 
@@ -178,11 +207,11 @@ def _vote(
         clock.lap("communicate")
         summed = future.value()
         if summed[-1] != 0:
-            return Exchanged(None, _not_finite, False, words.nbytes, sent, clock.seconds)
+            return Exchanged("vote", None, _not_finite, False, words.nbytes, sent, clock.seconds)
         votes_for_plus = unpack_fields(summed[:-1], bits, numel)
         total = votes_for_plus.mul_(2).sub_(comm.world_size).sign_().to(like.dtype).view(like.shape)
         clock.lap("decompress")
-        return Exchanged(total, local, True, words.nbytes, sent, clock.seconds, subtract_local)
+        return Exchanged("vote", total, local, True, words.nbytes, sent, clock.seconds, subtract_local)
 
     return comm.allreduce(frame).then(done)
 
@@ -223,8 +252,8 @@ def _allgather(
         clock.lap("decompress")
         payload_bytes = sum(t.nbytes for t in payload)
         if not finite:
-            return Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds)
-        return Exchanged(total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
+            return Exchanged("allgather", None, _not_finite, False, payload_bytes, sent, clock.seconds)
+        return Exchanged("allgather", total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
 
     return comm.allgather(frame).then(done)
 
@@ -247,11 +276,14 @@ def _sparse(
     clock.lap("communicate")
     payload_bytes = encoded.nbytes + values.nbytes
     if not result.finite:
-        return completed(Exchanged(None, _not_finite, False, payload_bytes, result.bytes_sent, clock.seconds))
+        return completed(
+            Exchanged("sparse", None, _not_finite, False, payload_bytes, result.bytes_sent, clock.seconds)
+        )
     total = result.total.into(torch.empty_like(like) if out is None else out)
     clock.lap("decompress")
+    sent = result.bytes_sent
     return completed(
-        Exchanged(total, local, True, payload_bytes, result.bytes_sent, clock.seconds, subtract_local)
+        Exchanged("sparse", total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
     )
 
 
@@ -267,13 +299,20 @@ def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, clock:
         summed_frame = comm.allreduce(frame).wait()
         clock.lap("communicate")
         if summed_frame[-1] != 0 or not _all_finite((summed_frame,)):
-            return completed(Exchanged(None, _not_finite, False, payload_bytes, sent, clock.seconds))
+            failed = Exchanged("rounds", None, _not_finite, False, payload_bytes, sent, clock.seconds)
+            return completed(failed)
         payload, ctx = codec.next_round(_split(summed_frame[:-1], payload), ctx)  # type: ignore[attr-defined]
     clock.lap("compress")
     finish = codec.finish  # type: ignore[attr-defined]
     # The local decode comes from the last round as a whole: feedback subtracts local().
     return _allreduce(
-        payload, comm, True, clock, lambda summed: (*finish(summed, ctx), None), (payload_bytes, sent)
+        payload,
+        comm,
+        True,
+        clock,
+        lambda summed: (*finish(summed, ctx), None),
+        spent=(payload_bytes, sent),
+        scheme="rounds",
     )
 
 

@@ -1,12 +1,16 @@
 """Regroup: sync one step's gradients in given groups of parameters, whatever DDP's buckets are.
 
-Compression state belongs to a group of parameters (a DDP bucket as laid out when the state was
-made). DDP does not always deliver that grouping: a freshly built DDP model's first iteration
-uses its initial bucket layout, and only then rebuilds its buckets in gradient-ready order, the
-layout a checkpointed state was saved with. To continue a restored run exactly, each saved group is
-cut out of whichever buckets hold its parameters, concatenated in its saved order, and synced with
-its own compression point as soon as all its parameters have arrived. A bucket's future completes
-once every group it touches is done.
+Compression state belongs to a group of parameters: a plan's group (gradsync.plan), or a DDP
+bucket as laid out when the state was made. DDP does not deliver a plan's groups at all, and not
+always the saved buckets either: a freshly built DDP model's first iteration uses its initial
+bucket layout, and only then rebuilds its buckets in gradient-ready order, the layout a
+checkpointed state was saved with. So each group is cut out of whichever buckets hold its
+parameters, concatenated in its own order, and synced with its own compression point as soon as
+all its parameters have arrived. A bucket's future completes once every group it touches is done.
+
+Every rank receives DDP's buckets in the same order, so groups complete, and issue their
+collectives, in the same order on every rank: that of their last parameter's arrival (groups
+completed by one bucket in index order).
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ class Regroup:
         return torch.futures.collect_all([self._results[g] for g in touched]).then(assemble)
 
     def _check_complete(self) -> None:
-        """At the step's last bucket, every group that received gradients must have all of them."""
-        for group, arrived in self._arrived.items():
-            missing = sorted(set(self._groups[group]) - set(arrived))
+        """At the step's last bucket, every group must have all of its gradients: a group left
+        out would go unsynced, and its parameters would keep this rank's own gradient."""
+        for group, params in self._groups.items():
+            missing = sorted(set(params) - set(self._arrived.get(group, {})))
             if missing:
                 raise ValueError(
                     f"gradsync group {group} needs the gradients of parameters {missing}, which no "

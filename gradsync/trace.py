@@ -23,12 +23,13 @@ _SUMMED = (
 
 @dataclass
 class BucketRecord:
-    """One bucket's exchange in one step, as seen by this rank."""
+    """One bucket's (or plan group's) exchange in one step, as seen by this rank."""
 
     step: int
     bucket: int
     numel: int
     compressed: bool
+    scheme: str  # how it was exchanged: one of gradsync.exchange.SCHEMES
     payload_bytes: int  # this rank's payload (fp32 bytes when uncompressed)
     bytes_sent: int  # bytes this rank sent over its links
     bytes_fp32: int  # bytes it would have sent with a plain fp32 allreduce

@@ -1,0 +1,360 @@
+"""A Plan executed by the hook, in one process: SyncConfig(plan=...), register()'s checks, and each
+group synced by its own strategy (a world of one, where the average is the rank's own gradient, so
+each group's result is exactly what its codec makes of that gradient)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import gradsync
+from gradsync import SyncConfig, SyncState, compress, exchange
+from gradsync.comm import LocalComm, completed
+from gradsync.plan import GroupPlan, Plan, signature
+from gradsync.regroup import Regroup
+
+WARMUP = 2
+VOCAB, DIM, CONTEXT, WIDTH, CLASSES = 40, 8, 2, 16, 4
+# Net's parameters: 0 embed.weight (320), 1 hidden.weight (256), 2 hidden.bias (16),
+# 3 out.weight (64), 4 out.bias (4).
+GROUPS = [((4, 3), "fp32"), ((2, 1), "fp16:exchange=allgather"), ((0,), "topk:ratio=0.1:exchange=sparse")]
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = WIDTH, sparse_embedding: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM, sparse=sparse_embedding)
+        self.hidden = nn.Linear(CONTEXT * DIM, width)
+        self.out = nn.Linear(width, CLASSES)
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.embed(words).flatten(1))))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    words = torch.randint(VOCAB, (6, CONTEXT), generator=generator)
+    return words, torch.randint(CLASSES, (6,), generator=generator)
+
+
+def make_plan(model: nn.Module, groups: Sequence[tuple[Sequence[int], str]], world_size: int = 1) -> Plan:
+    params = list(model.parameters())
+    return Plan(
+        signature(model),
+        world_size,
+        tuple(GroupPlan(tuple(ps), sum(params[p].numel() for p in ps), text) for ps, text in groups),
+    )
+
+
+def config(**fields: Any) -> SyncConfig:
+    return SyncConfig(**{"warmup_steps": WARMUP, **fields})
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A gloo process group of one rank, so that register() and DDP run in this process."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# -- SyncConfig(plan=...) ---------------------------------------------------------------------------
+
+
+def test_a_plan_file_gives_the_same_config_as_the_plan_it_holds(tmp_path: Path) -> None:
+    plan = make_plan(Net(), GROUPS)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    from_file, from_object = config(plan=str(path)), config(plan=plan)
+    assert from_file == from_object
+    assert from_file.fingerprint() == from_object.fingerprint()
+    assert from_file.to_dict()["plan"] == plan.to_dict()
+    assert SyncConfig(**from_file.to_dict()) == from_file  # plain data rebuilds the same config
+
+
+def test_configs_with_different_plans_or_none_differ_and_fingerprint_differently() -> None:
+    plan = make_plan(Net(), GROUPS)
+    other = make_plan(Net(), [((4, 3), "fp32"), ((2, 1), "fp16"), ((0,), "topk:ratio=0.1:exchange=sparse")])
+    configs = [config(), config(plan=plan), config(plan=other)]
+    assert len({c.fingerprint() for c in configs}) == 3
+    assert configs[1] != configs[2] and configs[0] != configs[1]
+
+
+def test_an_unknown_codec_in_a_plan_file_fails_when_the_config_is_made(tmp_path: Path) -> None:
+    data = make_plan(Net(), GROUPS).to_dict()
+    data["groups"][1]["strategy"] = "zstd:level=3"
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as excinfo:
+        config(plan=str(path))
+    message = str(excinfo.value)
+    assert str(path) in message and "group 1" in message and "unknown codec 'zstd'" in message
+    assert "topk" in message  # the codecs to choose from
+
+
+def test_a_plan_file_that_is_not_json_fails_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text("{groups: ")
+    with pytest.raises(ValueError, match=r"plan\.json.*must be JSON"):
+        config(plan=str(path))
+
+
+def test_a_plan_strategy_that_sets_a_seed_is_refused_naming_the_fix() -> None:
+    plan = make_plan(Net(), [((4, 3, 2, 1, 0), "qsgd:seed=3")])
+    with pytest.raises(ValueError, match=r"group 0.*'qsgd:seed=3'.*SyncConfig\(seed=\.\.\.\)"):
+        config(plan=plan)
+
+
+def test_explicit_feedback_is_checked_against_every_compressed_group() -> None:
+    plan = make_plan(Net(), [((4, 3, 2, 1), "fp16"), ((0,), "dgc:ratio=0.1:exchange=sparse")])
+    with pytest.raises(ValueError, match=r"'dgc' keeps its own error memory.*error_feedback='ef'"):
+        config(plan=plan, error_feedback="ef")
+    # The compressor field names no codec of the plan, so it has no say in feedback.
+    assert config(plan=plan, compressor="dgc").feedback_for("fp16") == "none"
+    fp32_only = make_plan(Net(), [((4, 3, 2, 1, 0), "fp32")])
+    with pytest.raises(ValueError, match="the plan compresses no group"):
+        config(plan=fp32_only, error_feedback="ef")
+
+
+def test_auto_feedback_resolves_for_each_groups_codec() -> None:
+    cfg = config(plan=make_plan(Net(), GROUPS))
+    assert [cfg.feedback_for(s.codec) for s in cfg.plan.strategies] == ["none", "none", "ef"]
+
+
+def test_plan_auto_registers_a_planner_that_has_not_planned_yet(one_rank: None) -> None:
+    cfg = config(plan="auto")
+    assert cfg.plan == "auto" and cfg.to_dict()["plan"] == "auto"
+    state = gradsync.register(DistributedDataParallel(Net()), cfg)
+    assert state.auto is not None and state.plan is None
+    assert state.stats()["auto"]["adopted_at_step"] is None
+
+
+def test_plan_auto_refuses_sparse_gradients_before_training(one_rank: None) -> None:
+    with pytest.raises(ValueError, match=r"plan='auto'\): parameters \[\d+\] have sparse \(COO\) gradients"):
+        gradsync.register(DistributedDataParallel(Net(sparse_embedding=True)), config(plan="auto"))
+
+
+# -- register() refuses what cannot run, before training ----------------------------------------------
+
+
+def _other_width_plan() -> Plan:
+    return make_plan(Net(width=WIDTH + 1), [((4, 3, 2, 1, 0), "fp32")])
+
+
+BAD_PLANS = {
+    "a parameter in no group": (
+        lambda: make_plan(Net(), [((4, 3), "fp32"), ((2, 1), "fp16")]),
+        r"trainable parameters \[0\] are in no group",
+    ),
+    "a parameter in two groups": (
+        lambda: make_plan(Net(), [((4, 3, 2), "fp32"), ((2, 1, 0), "fp16")]),
+        r"parameter 2 is in plan groups 0 and 1",
+    ),
+    "another model": (_other_width_plan, r"made for another model .* parameter names or shapes differ"),
+    "another world size": (
+        lambda: make_plan(Net(), GROUPS, world_size=4),
+        r"made for 4 ranks but runs on 1.*--world 1",
+    ),
+    "hierarchical exchange": (
+        lambda: make_plan(Net(), [((4, 3, 2, 1), "fp32"), ((0,), "qsgd:exchange=hierarchical")]),
+        r"plan group 1 \(strategy 'qsgd:exchange=hierarchical'\).*does not build yet.*exchange=allgather",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PLANS, ids=list(BAD_PLANS))
+def test_register_refuses_a_bad_plan_before_training(one_rank: None, case: str) -> None:
+    make, expected = BAD_PLANS[case]
+    model = DistributedDataParallel(Net())
+    with pytest.raises(ValueError, match=expected):
+        gradsync.register(model, config(plan=make()))
+
+
+def test_register_refuses_a_plan_group_holding_a_sparse_gradient(one_rank: None) -> None:
+    model = DistributedDataParallel(Net(sparse_embedding=True))
+    plan = make_plan(model, [((4, 3, 2, 1), "fp32"), ((0,), "fp32:exchange=sparse")])
+    with pytest.raises(ValueError, match=r"plan group 1 .*parameters \[0\] have sparse \(COO\) gradients"):
+        gradsync.register(model, config(plan=plan))
+
+
+def test_on_cpu_runs_on_a_cpu_model_as_on_device(one_rank: None) -> None:
+    model = DistributedDataParallel(Net())
+    plan = make_plan(model, [((4, 3, 2, 1), "fp32"), ((0,), "topk:ratio=0.1:on=cpu")])
+    state = gradsync.register(model, config(plan=plan))
+    _train(model, WARMUP + 1)
+    assert state.stats()["groups"][1]["codec"] == "topk"
+
+
+# -- execution -------------------------------------------------------------------------------------
+
+
+def _train(model: nn.Module, steps: int, first: int = 0) -> None:
+    for step in range(first, first + steps):
+        words, labels = batch(step)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(words), labels).backward()
+
+
+def _local_gradients(model: nn.Module, step: int) -> list[torch.Tensor]:
+    words, labels = batch(step)
+    return list(torch.autograd.grad(nn.functional.cross_entropy(model(words), labels), model.parameters()))
+
+
+def test_each_group_is_synced_by_its_own_strategy(one_rank: None) -> None:
+    net = Net()
+    reference = copy.deepcopy(net)  # no optimizer: the parameters stay as they are
+    model = DistributedDataParallel(net)
+    plan = make_plan(model, GROUPS)
+    state = gradsync.register(model, config(plan=plan))
+    _train(model, WARMUP)
+    assert state.stats()["groups"] == [None, None, None]  # warm-up: DDP's buckets, no group ran
+    assert state.stats()["total"]["compressed_buckets"] == 0
+
+    _train(model, 1, first=WARMUP)  # the first compressed step: error memories are still empty
+    local = _local_gradients(reference, WARMUP)
+    grads = [p.grad for p in model.parameters()]
+    for index in (4, 3):  # fp32: a world of one's average is the gradient itself
+        assert torch.equal(grads[index], local[index])
+    for index in (2, 1):  # fp16, decoded
+        assert torch.equal(grads[index], local[index].half().float())
+    topk = compress.build("topk", ratio=0.1)
+    payload, ctx = topk.compress(local[0].reshape(-1))
+    assert torch.equal(grads[0].reshape(-1), topk.decompress(payload, ctx))
+
+    groups = state.stats()["groups"]
+    assert [g["group"] for g in groups] == [0, 1, 2]
+    assert [g["strategy"] for g in groups] == [text for _, text in GROUPS]
+    assert [g["codec"] for g in groups] == ["none", "fp16", "topk"]
+    assert [g["exchange"] for g in groups] == ["plain", "allgather", "sparse"]
+    assert [g["feedback"] for g in groups] == ["none", "none", "ef"]
+    assert [g["numel"] for g in groups] == [g.numel for g in plan.groups]
+    assert [g["tensors"] for g in groups] == [2, 2, 1]
+    assert all(g["step"] == WARMUP for g in groups)
+    assert groups[1]["payload_bytes"] == 2 * plan.groups[1].numel
+    last = state.stats()["last_step"]
+    assert (last["buckets"], last["compressed_buckets"]) == (3, 2)
+    assert sorted(state.points) == [1, 2]  # compression points by group; fp32 has none
+
+
+# strategy -> the scheme it runs (gradsync.exchange.SCHEMES). The strategy syntax writes
+# exchange=allgather for every codec that is not summable; multi-round codecs and majority votes
+# still run their own scheme.
+SCHEMES = {
+    "fp32": "plain",
+    "fp32:exchange=sparse": "sparse",
+    "fp16": "allreduce",
+    "fp16:exchange=allgather": "allgather",
+    "topk:ratio=0.1": "allgather",
+    "topk:ratio=0.1:exchange=sparse": "sparse",
+    "qsgd": "allgather",
+    "powersgd:rank=1": "rounds",
+    "signsgd": "vote",
+}
+
+
+@pytest.mark.parametrize("text", SCHEMES)
+def test_each_strategy_runs_the_exchange_it_names(text: str) -> None:
+    plan = make_plan(Net(), [((4, 3, 2, 1, 0), text)])
+    # A forced sparse scheme: "auto" would send an fp32 group's dense gradients densely.
+    state = SyncState(config(plan=plan, sparse_scheme="agsparse"), LocalComm())
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(WARMUP + 1):
+        state.sync(torch.randn(plan.groups[0].numel, generator=generator), 0, is_last=True).wait()
+    group = state.stats()["groups"][0]
+    assert group["exchange"] == SCHEMES[text]
+    assert group["codec"] == ("none" if text.startswith("fp32") else text.split(":")[0])
+
+
+def test_min_compress_numel_does_not_apply_to_plan_groups(one_rank: None) -> None:
+    model = DistributedDataParallel(Net())
+    plan = make_plan(model, [((4,), "fp16"), ((3, 2, 1, 0), "fp32")])
+    state = gradsync.register(model, config(plan=plan, min_compress_numel=1 << 20))
+    _train(model, WARMUP + 1)
+    assert state.stats()["groups"][0]["codec"] == "fp16"  # 4 elements, compressed as planned
+    assert state.stats()["groups"][0]["exchange"] == "allreduce"
+
+
+def _group_gradients(step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(group.numel, generator=generator) for group in _STATE_PLAN.groups]
+
+
+_STATE_PLAN = make_plan(Net(), [((4, 3), "qsgd"), ((2, 1), "fp32"), ((0,), "topk:ratio=0.1:exchange=sparse")])
+
+
+def _sync_steps(state: SyncState, steps: range) -> list[torch.Tensor]:
+    out = []
+    for step in steps:
+        grads = _group_gradients(step)
+        for index, g in enumerate(grads):
+            out.append(state.sync(g, index, is_last=index == len(grads) - 1).wait().clone())
+    return out
+
+
+def test_a_plan_state_resumes_bit_for_bit_from_its_state_dict() -> None:
+    cfg = config(plan=_STATE_PLAN)
+    continuous = SyncState(cfg, LocalComm())
+    expected = _sync_steps(continuous, range(8))
+    first = SyncState(cfg, LocalComm())
+    _sync_steps(first, range(4))
+    saved = first.state_dict()
+    assert saved["layout"] == {i: list(g.params) for i, g in enumerate(_STATE_PLAN.groups)}
+    assert sorted(saved["points"]) == [0, 2]
+    resumed = SyncState(cfg, LocalComm())
+    resumed.load_state_dict(saved)
+    got = _sync_steps(resumed, range(4, 8))
+    later = expected[len(_STATE_PLAN.groups) * 4 :]
+    assert all(torch.equal(a, b) for a, b in zip(got, later, strict=True))
+    # Without the state (error memory, qsgd's stream), the same steps come out otherwise.
+    fresh = SyncState(cfg, LocalComm())
+    fresh.step = 4
+    assert not all(torch.equal(a, b) for a, b in zip(_sync_steps(fresh, range(4, 8)), later, strict=True))
+
+
+def test_a_state_saved_with_another_plan_is_refused() -> None:
+    saved = SyncState(config(plan=_STATE_PLAN), LocalComm()).state_dict()
+    other = make_plan(Net(), [((4, 3), "fp16"), ((2, 1), "fp32"), ((0,), "topk:ratio=0.1:exchange=sparse")])
+    with pytest.raises(ValueError, match="resume with the same SyncConfig"):
+        SyncState(config(plan=other), LocalComm()).load_state_dict(saved)
+
+
+def test_regroup_refuses_a_step_that_leaves_a_group_without_gradients() -> None:
+    regroup = Regroup(lambda flat, group, ends: completed(flat), {0: (0, 1), 1: (2,)})
+    with pytest.raises(ValueError, match=r"group 1 needs the gradients of parameters \[2\]"):
+        regroup.add(torch.ones(5), (0, 1), [2, 3], is_last=True)
+
+
+# -- exchange.start(allgather=True) ----------------------------------------------------------------
+
+
+def test_exchange_allgathers_a_summable_payload_when_asked() -> None:
+    x = torch.randn(1000)
+    fp16 = compress.build("fp16")
+    summed = exchange.start(fp16, x, LocalComm()).wait()
+    gathered = exchange.start(fp16, x, LocalComm(), allgather=True).wait()
+    assert (summed.scheme, gathered.scheme) == ("allreduce", "allgather")
+    assert torch.equal(gathered.total, summed.total)
+    assert gathered.payload_bytes == 2 * x.numel()
+
+
+@pytest.mark.parametrize("name", ["powersgd", "signsgd"])
+def test_exchange_refuses_to_allgather_codecs_without_a_decode_per_payload(name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        codec = compress.build(name)
+    with pytest.raises(ValueError, match=rf"allgather=True with {type(codec).__name__}.*drop allgather=True"):
+        exchange.start(codec, torch.randn(64, 8), LocalComm(), allgather=True)
