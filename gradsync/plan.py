@@ -288,6 +288,7 @@ def make_all(
     params: Sequence[int] | None = None,
     max_groups: int = 64,
     budget: int = 200,
+    buckets: Sequence[Sequence[int]] | None = None,
 ) -> list[Plan]:
     """Every plan the event simulator weighed, least predicted step first (ties: as found).
 
@@ -298,28 +299,40 @@ def make_all(
     uniform strategy. Each plan's `alternatives` holds the predicted step of every option, and
     of `compressor` layer-wise and in one group (MergeComp's comparison). `params` maps each
     gradient (backprop order) to its position in model.parameters() (default: the same index);
-    `model` is the model's signature().
+    `model` is the model's signature(). `buckets` are DDP's real buckets as gradient indices, where
+    known (default: sim/groups.ddp's model of them): uniform strategies are laid out on them, and
+    every other group pays for the hook's copies out of them and back.
     """
     started = time.perf_counter()
+    if buckets is None:
+        buckets = grouping.ddp(compute.numels)
+    else:
+        buckets = [list(b) for b in buckets]
+        grouping.check(buckets, len(compute.numels))
+    whole = {(b[0], b[-1]) for b in buckets}
+
+    def simulate(chosen: Strategy | list[Strategy], groups: list[list[int]]) -> float:
+        copied = [(g[0], g[-1]) not in whole for g in groups]
+        return engine.simulate(compute, cluster, chosen, groups, copied=copied).step_s
+
     strategies = planner.space(cluster, compressor, dict(compressor_args or {}))
-    found = schedule.search(compute, cluster, strategies, max_groups, budget)
+    found = schedule.search(compute, cluster, strategies, max_groups, budget, buckets)
     searched_s = time.perf_counter() - started
 
     options: list[tuple[float, str, list[list[int]], list[Strategy], list[str]]] = []
     for candidate in found.tried[:CHECKED_CANDIDATES]:
         groups = [list(g) for g in candidate.groups]
         chosen = list(candidate.decision.strategies)
-        step = engine.simulate(compute, cluster, chosen, groups).step_s
+        step = simulate(chosen, groups)
         options.append(
             (step, f"per-group plan, {candidate.label}", groups, chosen, list(candidate.decision.reasons))
         )
     alternatives: dict[str, float] = {"per-group plan": min(option[0] for option in options)}
-    buckets = grouping.ddp(compute.numels)
     has_rows = any(g.density for g in compute.gradients)
     for strategy in strategies:
         if strategy.exchange == "sparse" and not strategy.compressed and not has_rows:
             continue  # no embedding rows to send sparsely
-        step = engine.simulate(compute, cluster, strategy, buckets).step_s
+        step = simulate(strategy, buckets)
         label = f"{strategy.text}, DDP buckets"
         alternatives[label] = step
         reason = f"uniform {strategy.text} on DDP's buckets"
@@ -332,7 +345,7 @@ def make_all(
             ("layer-wise", grouping.layerwise(count)),
             ("one group", grouping.single(count)),
         ):
-            alternatives[f"{codec.text}, {label}"] = engine.simulate(compute, cluster, codec, groups).step_s
+            alternatives[f"{codec.text}, {label}"] = simulate(codec, groups)
     index = list(params) if params is not None else list(range(len(compute.gradients)))
     meta = {
         "cluster": cluster.describe(),

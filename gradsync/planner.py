@@ -76,7 +76,7 @@ def space(
         found += [Strategy(compressor, args, exchange) for exchange in exchanges]
     if cluster.nodes > 1 and cluster.gpus_per_node > 1:
         found += [replace(s, exchange="hierarchical") for s in found[: 1 + len(_CASTS)]]
-    if cluster.device is not CPU_HOST:
+    if cluster.device.name != CPU_HOST.name:  # GPUs: a CPU thread is somewhere else to compress
         found += [replace(s, on="cpu") for s in found if s.compressed and s.codec not in _CASTS]
     if cluster.compression is not None:  # measured: only what was measured
         found = [s for s in found if not s.compressed or s.spec in cluster.compression]
@@ -105,22 +105,27 @@ class Problem:
         groups: Sequence[Sequence[int]],
         strategies: Sequence[Strategy],
         cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
+        buckets: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """`cache`, shared between problems of the same compute, cluster and strategies, keeps each
-        group's costs by its (first, last) gradient: a grouping search re-costs only new groups."""
+        """`cache`, shared between problems of the same compute, cluster, strategies and buckets,
+        keeps each group's costs by its (first, last) gradient: a grouping search re-costs only new
+        groups. `buckets`: DDP's buckets; a group that is not one of them is copied out of them and
+        back (strategy.copy_phases). None: no copies are counted."""
         if not strategies or strategies[0].compressed:
             raise ValueError("the strategy space must list fp32 first (planner.space does)")
         self.compute, self.cluster = compute, cluster
         self.groups = [list(g) for g in groups]
         self.space = list(strategies)
         self.numels = [sum(compute.gradients[i].numel for i in g) for g in self.groups]
+        whole = None if buckets is None else {(b[0], b[-1]) for b in buckets}
+        self.copied = [whole is not None and (g[0], g[-1]) not in whole for g in self.groups]
         self.ready = quick.ready_times(compute, self.groups)
         cache = {} if cache is None else cache
         rows = []
         for i, group in enumerate(self.groups):
             key = (group[0], group[-1])
             if key not in cache:
-                cache[key] = self._cost(group, self.numels[i])
+                cache[key] = self._cost(group, self.numels[i], self.copied[i])
             rows.append(cache[key])
         self.costs = np.array([costs for costs, _ in rows])  # (groups, space, 5)
         self.valid = np.array([valid for _, valid in rows])  # (groups, space)
@@ -128,7 +133,7 @@ class Problem:
         self._rows = np.arange(len(self.groups))
         self.evaluations = 0
 
-    def _cost(self, group: list[int], numel: int) -> tuple[np.ndarray, np.ndarray]:
+    def _cost(self, group: list[int], numel: int, copied: bool) -> tuple[np.ndarray, np.ndarray]:
         """One group's cost vector under each strategy, and which strategies it may take."""
         sparse = [self.compute.gradients[t] for t in group if self.compute.gradients[t].density]
         costs = np.zeros((len(self.space), len(quick.COLUMNS)))
@@ -137,7 +142,7 @@ class Problem:
             if strategy.exchange == "sparse" and not strategy.compressed and not sparse:
                 valid[j] = False  # no embedding rows to send sparsely
                 continue
-            costs[j] = quick.cost_vector(strategy, numel, self.cluster, sparse)
+            costs[j] = quick.cost_vector(strategy, numel, self.cluster, sparse, copied)
         return costs, valid
 
     def layout(self, assignments: np.ndarray, offloads: bool = True) -> quick.Layout:

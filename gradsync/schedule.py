@@ -61,9 +61,11 @@ def search(
     strategies: Sequence[Strategy],
     max_groups: int = 64,
     budget: int = 200,
+    buckets: Sequence[Sequence[int]] | None = None,
 ) -> Schedule:
     """Search groupings of `compute`'s gradients, each with the planner's strategies (module
-    docstring); at most `budget` groupings are decided.
+    docstring); at most `budget` groupings are decided. `buckets` are DDP's buckets (default:
+    sim/groups.ddp's model of them): a group that is not one of them pays for its copies.
 
     Example:
         >>> found = search(work, where, planner.space(where, "topk", {"ratio": 0.01}))
@@ -74,12 +76,13 @@ def search(
     started = time.perf_counter()
     numels = compute.numels
     cache: dict = {}
+    buckets = grouping.ddp(numels) if buckets is None else [list(b) for b in buckets]
     tried: dict[tuple[tuple[int, ...], ...], Candidate] = {}
 
     def consider(label: str, groups: list[list[int]]) -> Candidate:
         key = tuple(tuple(g) for g in groups)
         if key not in tried:
-            decision = planner.decide(planner.Problem(compute, cluster, groups, strategies, cache))
+            decision = planner.decide(planner.Problem(compute, cluster, groups, strategies, cache, buckets))
             tried[key] = Candidate(label, key, decision)
         return tried[key]
 
@@ -87,7 +90,6 @@ def search(
         if count > min(len(numels), max_groups):
             break
         consider(f"{count} equal groups", grouping.equal(numels, count))
-    buckets = grouping.ddp(numels)
     if len(buckets) <= max_groups:
         consider("DDP's buckets", buckets)
 

@@ -28,7 +28,7 @@ import numpy as np
 from . import groups as grouping
 from .cluster import Cluster
 from .compute import Compute
-from .strategy import Phase, Strategy, parse, payload_nbytes, phases
+from .strategy import Phase, Strategy, copy_phases, parse, payload_nbytes, phases
 
 # Gantt lanes of worker 0 and its node; CPU threads are lanes "cpu 0", "cpu 1", ...
 COMPUTE, CODEC, CPU, NETWORK, INTRA, INTER = "compute", "codec", "cpu", "network", "intra-node", "inter-node"
@@ -97,11 +97,14 @@ def simulate(
     groups: Sequence[Sequence[int]] | None = None,
     jitter: float = 0.0,
     seed: int = 0,
+    copied: Sequence[bool] | None = None,
 ) -> Result:
     """Simulate one step of `compute` on `cluster`, each group exchanged by its strategy.
 
     `strategy` is one strategy for every group or one per group; `groups` default to DDP's
-    buckets (sim/groups.py).
+    buckets (sim/groups.py). `copied[i]` says that group i is not one of DDP's buckets, so the
+    hook copies its gradients out of the buckets when it is ready and the result back after
+    (strategy.copy_phases); default: no group is copied.
 
     Example:
         >>> from gradsync.sim import cluster, compute, models
@@ -125,6 +128,13 @@ def simulate(
         phases(s, n, cluster, [compute.gradients[i] for i in group if compute.gradients[i].density])
         for s, n, group in zip(per_group, group_numels, groups, strict=True)
     ]
+    if copied is not None:
+        if len(copied) != len(groups):
+            raise ValueError(f"copied has {len(copied)} flags for {len(groups)} groups; give one per group")
+        plans = [
+            copy_phases(plan, n, cluster) if c else plan
+            for plan, n, c in zip(plans, group_numels, copied, strict=True)
+        ]
     spans: list[Span] = [Span(COMPUTE, "forward", 0.0, compute.forward_s * scale[0])]
 
     ready, device = _backward_pass(compute, groups, plans, scale, spans)

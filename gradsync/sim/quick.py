@@ -29,7 +29,7 @@ import numpy as np
 
 from .cluster import Cluster
 from .compute import Compute, Gradient
-from .strategy import Strategy, phases
+from .strategy import Strategy, copy_phases, phases
 
 # The columns of a cost vector: seconds of one group's exchange on each resource, in the order the
 # engine lays them out.
@@ -38,13 +38,16 @@ COLUMNS = ("device_pre", "cpu_pre", "net", "device_post", "cpu_post")
 
 
 def cost_vector(
-    strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gradient] = ()
+    strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gradient] = (), copied: bool = False
 ) -> np.ndarray:
     """The five costs (COLUMNS) of exchanging one group of `numel` elements by `strategy`: work
     before its first transfer on the device, then on a CPU thread; everything from its first
-    transfer to its last (the network's time); work after it on the device or on a CPU thread."""
+    transfer to its last (the network's time); work after it on the device or on a CPU thread.
+    `copied`: the group is cut out of DDP's buckets and copied back (strategy.copy_phases)."""
     out = np.zeros(len(COLUMNS))
     steps = phases(strategy, numel, cluster, sparse)
+    if copied:
+        steps = copy_phases(steps, numel, cluster)
     transfers = [i for i, p in enumerate(steps) if p.resource not in ("device", "cpu")]
     if not transfers:
         return out

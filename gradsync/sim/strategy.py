@@ -186,6 +186,16 @@ def phases(strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gr
     return steps
 
 
+def copy_phases(steps: list[Phase], numel: int, cluster: Cluster) -> list[Phase]:
+    """`steps` of a group the hook cuts out of DDP's buckets: its gradients are copied into one
+    tensor when it is ready and the result back into the buckets at the end, a pass over its
+    fp32 bytes each way through device memory. Nothing to copy where nothing is exchanged."""
+    if not steps:
+        return steps
+    seconds = 2 * 4 * numel / cluster.device.memory_Bps  # read and write
+    return [Phase("device", "copy out", seconds), *steps, Phase("device", "copy back", seconds)]
+
+
 def _sparse_rows(numel: int, sparse: Sequence[Gradient], cluster: Cluster) -> list[Phase]:
     """Zen's use: the group's dense tensors in one allreduce, each embedding's rows by the sparse
     scheme gradsync.sparse's cost model predicts fastest.
