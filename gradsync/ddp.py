@@ -99,6 +99,10 @@ class SyncState:
         self.sparse = Router(config.sparse_scheme, config.sparse_every, config.seed)
         self._layout_checked: set[int] = set()  # buckets seen laid out as in `layout`
         self._regroup: Regroup | None = None  # this step's regrouping, while DDP's layout differs
+        # With a plan: DDP's buckets as the hook last saw them (bucket index -> parameters), and the
+        # plan groups laid out exactly as one of them (parameters -> group), synced in place.
+        self._ddp_layout: dict[int, tuple[int, ...]] = {}
+        self._direct: dict[tuple[int, ...], int] = {}
         self._local_steps = 0  # steps this process's hook has seen: DDP rebuilds buckets after one
         self._ranks_agree = False  # set once every rank's config was compared
         # -- statistics
@@ -543,7 +547,7 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if state.auto is not None and not state.auto.done:
         return state.auto.hook(bucket, is_last)
     if state.plan is not None:
-        return _planned(state, bucket, is_last)
+        return _planned(state, bucket, is_last, first_iteration)
     if state._param_index is None or (
         state._regroup is None and not first_iteration and index in state._layout_checked
     ):
@@ -569,15 +573,17 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return future
 
 
-def _planned(state: SyncState, bucket: dist.GradBucket, is_last: bool) -> Future[torch.Tensor]:
+def _planned(
+    state: SyncState, bucket: dist.GradBucket, is_last: bool, first_iteration: bool
+) -> Future[torch.Tensor]:
     """The hook under a plan: warm-up steps average DDP's buckets in fp32; from the first
     compressed step on, the plan's groups are cut out of the buckets and each exchanged by its own
     strategy. The plan's groups do not depend on DDP's buckets, so a state restored past warm-up
-    compresses the first iteration of a fresh DDP model too."""
-    if state._regroup is None:
-        if state.step < state.config.warmup_steps:
-            return state.sync(bucket.buffer(), bucket.index(), is_last, may_compress=False)
-        state._regroup = Regroup(state.sync, state.layout)
+    compresses the first iteration of a fresh DDP model too.
+
+    A group laid out exactly as one of DDP's buckets (as the hook saw them the step before) is
+    synced in the bucket itself, sparing the copies out of and back into it; the others go
+    through one Regroup per step."""
     if state._param_index is None:
         raise RuntimeError(
             "gradsync's hook runs a plan but does not know the model's parameters: install it with "
@@ -585,7 +591,22 @@ def _planned(state: SyncState, bucket: dist.GradBucket, is_last: bool) -> Future
         )
     bucket_params = bucket.parameters()
     params = tuple(state._param_index[id(p)] for p in bucket_params)
-    future = state._regroup.add(bucket.buffer(), params, [p.numel() for p in bucket_params], is_last)
+    if not first_iteration:  # DDP rebuilds its buckets after the first iteration, then keeps them
+        state._ddp_layout[bucket.index()] = params
+    if state._regroup is None:
+        if state.step < state.config.warmup_steps:
+            return state.sync(bucket.buffer(), bucket.index(), is_last, may_compress=False)
+        buckets = set(state._ddp_layout.values()) if not first_iteration else set()
+        state._direct = {group: index for index, group in state.layout.items() if group in buckets}
+        direct = set(state._direct.values())
+        state._regroup = Regroup(state.sync, {i: g for i, g in state.layout.items() if i not in direct})
+    regroup = state._regroup
+    if params in state._direct:
+        future = state.sync(bucket.buffer(), state._direct[params], is_last)
+        if is_last:
+            regroup.check_complete()
+    else:
+        future = regroup.add(bucket.buffer(), params, [p.numel() for p in bucket_params], is_last)
     if is_last:
         state._regroup = None
     return future

@@ -53,7 +53,7 @@ class Regroup:
                 touched.append(group)
         ready = sorted(g for g in touched if len(self._arrived[g]) == len(self._groups[g]))
         if is_last:
-            self._check_complete()
+            self.check_complete()
         for group in ready:
             part = torch.cat([self._arrived[group][param] for param in self._groups[group]])
             _forward(self._sync(part, group, is_last and group == ready[-1]), self._results[group])
@@ -73,7 +73,7 @@ class Regroup:
 
         return torch.futures.collect_all([self._results[g] for g in touched]).then(assemble)
 
-    def _check_complete(self) -> None:
+    def check_complete(self) -> None:
         """At the step's last bucket, every group must have all of its gradients: a group left
         out would go unsynced, and its parameters would keep this rank's own gradient."""
         for group, params in self._groups.items():
