@@ -12,9 +12,10 @@ What the hook does with SyncConfig(plan="auto"), step by step (steps as the hook
                       measured cluster (`measure`), from which plan.make_all ranks the candidate
                       plans (rank 0's list, sent to all).
   the next steps      `_Probe`: each of at most CANDIDATES candidates (the best predicted, the
-                      best uniform strategy, fp32 on DDP's buckets, ...) runs STEPS_EACH steps in
-                      the shadow: its exchange runs on copies of the gradients with throwaway codec
-                      state and is timed from the step's forward start to its last group's end;
+                      best uniform strategy, fp32 on DDP's buckets, ...) runs STEPS_EACH steps, in
+                      turn (round robin), in the shadow: its exchange runs on copies of the
+                      gradients with throwaway codec state and is timed from the step's forward
+                      start to its last group's end;
                       the step itself gets the plain fp32 allreduce of DDP's buckets, issued once
                       the shadow is done, exactly as a warm-up step. So probing changes the timing
                       only: parameters, optimizer state and every random stream are those of a run
@@ -136,7 +137,7 @@ def codec_specs(config: SyncConfig) -> list[str]:
     """The codecs the strategy space may use: the casts and the config's compressor."""
     specs = ["fp16", "bf16"]
     if config.compressor not in (NO_COMPRESSION, *specs):
-        args = [f"{k}={v}" for k, v in config.compressor_args.items()]
+        args = [f"{k}={v}" for k, v in sorted(config.compressor_args.items())]  # as Strategy.spec
         specs.append(":".join([config.compressor, *args]))
     return specs
 
@@ -188,17 +189,41 @@ def measure(
         }
     collectives = ["allreduce", "allgather", "all_to_all", "allreduce:float16", "allreduce:bfloat16"]
     fits = profile.probe_collectives(comm, COLLECTIVE_NBYTES, REPEATS, device, collectives)
+    (copy_Bps,) = profile.slowest_rank(comm, [-copy_bandwidth(device)], device)  # the slowest's
+    host = dataclasses.replace(clusters.CPU_HOST, memory_Bps=-copy_Bps)
     where = clusters.measured(
         comm.world_size, fits, compression, hook, name=f"{comm.world_size} measured ranks"
     )
-    return Measured(compute, where, tuple(order))
+    return Measured(compute, dataclasses.replace(where, device=host), tuple(order))
 
 
-def candidates(measured: Measured, config: SyncConfig, model_signature: str) -> list[plans.Plan]:
+def copy_bandwidth(device: torch.device, numel: int = 1 << 24) -> float:
+    """Bytes per second one copy moves through memory (read and write), as the hook's copies of
+    a group out of DDP's buckets and back: the median of REPEATS concatenations of two halves."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+    halves = [x[: numel // 2], x[numel // 2 :]]
+    torch.cat(halves)  # the allocator's first time
+    seconds = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        torch.cat(halves)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return 2 * x.nbytes / statistics.median(seconds)
+
+
+def candidates(
+    measured: Measured,
+    config: SyncConfig,
+    model_signature: str,
+    buckets: Sequence[Sequence[int]] | None = None,
+) -> list[plans.Plan]:
     """The plans to confirm on real steps, at most CANDIDATES of them: the best predicted plan, the
     best that compresses and the best that does not (whichever of those the first is not), the best
     uniform strategy on DDP's buckets, and the next best predicted. So the measurement decides
-    between compressing and not, even where the prediction errs."""
+    between compressing and not, even where the prediction errs. `buckets`: DDP's buckets, as
+    parameter positions, where seen."""
     compressor = None if config.compressor == NO_COMPRESSION else config.compressor
     ranked = plans.make_all(
         measured.compute,
@@ -207,6 +232,7 @@ def candidates(measured: Measured, config: SyncConfig, model_signature: str) -> 
         dict(config.compressor_args),
         model=model_signature,
         params=measured.params,
+        buckets=_as_gradients(buckets, measured.params),
     )
 
     def compresses(plan: plans.Plan) -> bool:
@@ -226,6 +252,17 @@ def candidates(measured: Measured, config: SyncConfig, model_signature: str) -> 
     return chosen
 
 
+def _as_gradients(buckets: Sequence[Sequence[int]] | None, params: Sequence[int]) -> list[list[int]] | None:
+    """DDP's buckets (parameter positions) as runs of gradient indices in the measured backprop
+    order; None where they are not such runs (a gradient measured ready out of bucket order)."""
+    if not buckets:
+        return None
+    where = {param: i for i, param in enumerate(params)}
+    groups = sorted(([where.get(p, -1) for p in bucket] for bucket in buckets), key=lambda g: g[0])
+    flat = [i for g in groups for i in g]
+    return groups if flat == list(range(len(params))) else None
+
+
 class Auto:
     """The hook's driver under plan="auto" until a plan is adopted (module docstring)."""
 
@@ -236,6 +273,7 @@ class Auto:
         self.timer = StepTimer(model)
         self.device = self.timer.params[0].device if self.timer.params else torch.device("cpu")
         self.timer_step: dict[int, int] = {}  # hook step -> the timer's index of its forward pass
+        self.buckets: dict[int, tuple[int, ...]] = {}  # DDP's rebuilt buckets: index -> parameters
         self.candidates: list[plans.Plan] = []
         self.measured: dict[int, list[float]] = {}  # candidate -> its shadow steps' seconds
         self.planned_at: int | None = None  # the step at whose end the candidates were made
@@ -253,6 +291,9 @@ class Auto:
         state, step = self.state, self.state.step
         self.timer_step.setdefault(step, len(self.timer.forward_start) - 1)
         if self.planned_at is None:
+            if step >= 1:  # DDP's buckets as rebuilt after its first iteration
+                param_index = state._param_index or {}
+                self.buckets[bucket.index()] = tuple(param_index[id(p)] for p in bucket.parameters())
             future = state.sync(bucket.buffer(), bucket.index(), is_last, may_compress=False)
             if is_last:  # collectives complete in order: the last bucket's ends the step's exchange
                 index = self.timer_step[step]
@@ -262,7 +303,9 @@ class Auto:
                 self.planned_at = step
             return future
         if self._probe is None:
-            self._probe = _Probe(self, (step - self.planned_at - 1) // STEPS_EACH, step)
+            # Round robin, so that a burst of load elsewhere, or the planning's own allocations,
+            # spreads over the candidates rather than landing on one.
+            self._probe = _Probe(self, (step - self.planned_at - 1) % len(self.candidates), step)
         future = self._probe.add(bucket, is_last)
         if is_last:
             self.measured.setdefault(self._probe.candidate, []).append(self._probe.seconds())
@@ -276,7 +319,8 @@ class Auto:
         timer_steps = [self.timer_step[k] for k in steps if k in self.timer_step]
         found = measure(self.timer, comm, self.state.config, self.names, timer_steps)
         self.optimizer_s = found.compute.optimizer_s
-        mine = candidates(found, self.state.config, self.model_signature) if comm.rank == 0 else []
+        buckets = [self.buckets[i] for i in sorted(self.buckets)]
+        mine = candidates(found, self.state.config, self.model_signature, buckets) if comm.rank == 0 else []
         # Every rank plans from the same numbers; rank 0's list is taken so that no rounding
         # difference can make ranks probe, or adopt, different plans.
         lists = allgather_object(comm, [p.to_dict() for p in mine], self.device)

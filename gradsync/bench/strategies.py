@@ -11,6 +11,9 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
   and `sparse` (the sparse scheme, SyncConfig.sparse_scheme: `identity:sparse=balanced` sends
   dense buckets as they are and an embedding's sparse gradient by Zen's balanced scheme).
   `topk` defaults to ratio 0.01 with the sampled threshold, its fast mode.
+- `auto[:compressor=NAME:key=value...]`: gradsync with SyncConfig(plan="auto"): it measures the
+  first steps, plans per group among fp32, fp16, bf16 and NAME (default topk, as above) with its
+  arguments, confirms the best candidates on real steps and adopts the fastest measured.
 
 Example:
     >>> parse("topk:ratio=0.001").config.compressor_args["ratio"]
@@ -24,8 +27,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import compress, registry
-from ..config import NO_COMPRESSION, SyncConfig
+from .. import autoplan, compress, registry
+from ..config import AUTO_PLAN, NO_COMPRESSION, SyncConfig
 from ..ddp import register
 from ..exchange import allreduce_sent_bytes
 
@@ -56,6 +59,16 @@ class Strategy:
         return {"bucket_cap_mb": 1 << 16} if self.kind == "torch-powersgd" else {}
 
     @property
+    def warmup_steps(self) -> int:
+        """Steps before this strategy compresses: gradsync's warm-up (plan="auto" measures and
+        confirms in it), PowerSGD's start step."""
+        if self.config is None:
+            return WARMUP_STEPS
+        if self.config.plan == AUTO_PLAN:
+            return autoplan.warmup_steps(self.config)
+        return self.config.warmup_steps
+
+    @property
     def label(self) -> str:
         """A short human name for tables and plots."""
         if self.kind == "ddp":
@@ -66,6 +79,8 @@ class Strategy:
             return f"torch PowerSGD rank {self.options['rank']}"
         assert self.config is not None
         args = ", ".join(f"{k}={v}" for k, v in self.config.compressor_args.items())
+        if self.config.plan == AUTO_PLAN:
+            return f"gradsync plan=auto ({self.config.compressor}" + (f" {args})" if args else ")")
         feedback = self.config.feedback_name
         scheme = self.config.sparse_scheme
         if self.config.compressor == NO_COMPRESSION:
@@ -96,6 +111,9 @@ def parse(text: str) -> Strategy:
         if not isinstance(merged["rank"], int) or merged["rank"] < 1:
             raise ValueError(f"strategy {text!r}: rank={merged['rank']!r} must be an integer >= 1")
         return Strategy(text, name, merged)
+    plan = None
+    if name == AUTO_PLAN:
+        plan, name = AUTO_PLAN, options.pop("compressor", "topk")
     if name not in (*compress.names(), NO_COMPRESSION):
         raise ValueError(
             f"unknown strategy {name!r} in {text!r}; choose one of {', '.join(BASELINES)} or a gradsync "
@@ -112,6 +130,7 @@ def parse(text: str) -> Strategy:
             error_feedback=feedback,
             warmup_steps=warmup,
             sparse_scheme=scheme,
+            plan=plan,
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"strategy {text!r}: {err}") from err

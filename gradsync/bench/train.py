@@ -83,9 +83,10 @@ class BenchOptions:
 
     @property
     def steady_from(self) -> int:
-        """First step counted in step times and bytes: after gradsync's and PowerSGD's warm-up
-        (fp32 steps) and one more, whose allocations are one-off."""
-        return strategies.WARMUP_STEPS + 1
+        """First step counted in step times and bytes, the same for every strategy: after the
+        longest warm-up among them (gradsync's and PowerSGD's fp32 steps; plan="auto" measures and
+        confirms in its own) and one more, whose allocations are one-off."""
+        return max(strategies.parse(text).warmup_steps for text in self.strategies) + 1
 
 
 @dataclass(frozen=True)

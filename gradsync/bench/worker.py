@@ -77,7 +77,16 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "wire_bytes_per_step": _mean_over_ranks(wire_bytes),
         "compute_s": compute_s,
         "evals": evals,
+        **_plan_made(installed),
     }
+
+
+def _plan_made(installed: strategies.Installed) -> dict[str, Any]:
+    """plan="auto": the plan adopted and what it measured to choose it."""
+    state = installed.gradsync
+    if state is None or state.auto is None:
+        return {}
+    return {"plan": state.plan.to_dict() if state.plan else None, "auto": state.auto.stats()}
 
 
 def _evaluate(
