@@ -20,12 +20,12 @@ What the hook does with SyncConfig(plan="auto"), step by step (steps as the hook
                       the shadow is done, exactly as a warm-up step. So probing changes the timing
                       only: parameters, optimizer state and every random stream are those of a run
                       that was given the chosen plan from the start.
-  after the probes    the candidate of least measured time (slowest rank's median of its steps
+  after the probes    the candidate of least measured time (slowest rank's least of its steps
                       after the first, plus the measured optimizer time) becomes the plan;
                       compression by it starts once config.warmup_steps have passed, as with a
                       plan given in a file.
 
-At most 1 + MEASURED + CANDIDATES * STEPS_EACH = 17 warm-up steps, of which 12 are measured steps of
+At most 1 + MEASURED + CANDIDATES * STEPS_EACH = 21 warm-up steps, of which 16 are measured steps of
 candidate plans (the issue's bound: 50).
 """
 
@@ -44,13 +44,12 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from . import ddp, profile
 from . import plan as plans
-from . import profile
 from .comm import Comm, allgather_object
 from .config import NO_COMPRESSION, SyncConfig
 from .cost import fit_linear
 from .ddp import SyncState
-from .regroup import Regroup
 from .sim import cluster as clusters
 from .sim.compute import Compute, Gradient
 
@@ -59,7 +58,7 @@ log = logging.getLogger("gradsync")
 MEASURED = 4  # steps up to which the compute timeline is measured, from step 2: step 1 is DDP's
 # first on rebuilt buckets, slower by one-off allocations
 CANDIDATES = 4  # plans confirmed on real steps
-STEPS_EACH = 3  # shadow steps per candidate; the first (allocations, codec set-up) is not counted
+STEPS_EACH = 4  # shadow steps per candidate; the first (allocations, codec set-up) is not counted
 # Collective sizes (bytes per rank) and codec sizes (elements) for the start-up fits: fewer and
 # smaller than gradsync.profile's defaults, to keep start-up short.
 COLLECTIVE_NBYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
@@ -327,12 +326,10 @@ class Auto:
         self.candidates = [plans.Plan.from_dict(p) for p in lists[0]]
 
     def _adopt(self, step: int) -> None:
-        """Take the candidate of least measured time (the slowest rank's median of its steps
-        after the first); earlier candidates win ties."""
+        """Take the candidate of least measured time (the slowest rank's least of its steps after
+        the first: load from elsewhere only ever adds time); earlier candidates win ties."""
         counted = [self.measured[c][1:] or self.measured[c] for c in range(len(self.candidates))]
-        slowest = profile.slowest_rank(
-            self.state._comm(), [statistics.median(t) for t in counted], self.device
-        )
+        slowest = profile.slowest_rank(self.state._comm(), [min(t) for t in counted], self.device)
         best = min(range(len(slowest)), key=lambda c: (slowest[c], c))
         measured = {
             f"{p.meta.get('chosen')} (measured)": t for p, t in zip(self.candidates, slowest, strict=True)
@@ -368,8 +365,10 @@ class Auto:
 
 
 class _Probe:
-    """One probe step: a candidate plan's exchange on copies of the step's gradients, with
-    throwaway state, then the step's own fp32 allreduce of DDP's buckets."""
+    """One probe step: a candidate plan run by the hook's own code (ddp._planned) on a copy of each
+    of the step's buckets, with throwaway state, then the step's own fp32 allreduce of DDP's
+    buckets. Every candidate pays the same one copy per bucket; a group laid out as a bucket is
+    then synced in place and the others are cut out and copied back, as they would run."""
 
     def __init__(self, auto: Auto, candidate: int, step: int) -> None:
         self.auto, self.candidate, self.step = auto, candidate, step
@@ -380,19 +379,15 @@ class _Probe:
             shadow = auto.shadows[candidate] = SyncState(config, real._comm())
             shadow._ranks_agree = True  # the real state's check covers the same ranks
             shadow._param_index, shadow._param_shapes = real._param_index, real._param_shapes
+            shadow._ddp_layout = dict(auto.buckets)  # as seen in the measured steps
             shadow.step = 2  # past its warm-up: it compresses from its first step
-        self.regroup = Regroup(shadow.sync, shadow.layout)
+        self.shadow = shadow
         self.pending: list[tuple[torch.Tensor, int, Future]] = []  # the real buckets, synced last
         self.shadowed: list[Future] = []
         self.done_at: list[float] = []
 
     def add(self, bucket: dist.GradBucket, is_last: bool) -> Future[torch.Tensor]:
-        param_index = self.auto.state._param_index
-        assert param_index is not None
-        params = [param_index[id(p)] for p in bucket.parameters()]
-        numels = [p.numel() for p in bucket.parameters()]
-        # The shadow cuts its groups out of the bucket into fresh tensors: the bucket stays as it is.
-        shadowed = self.regroup.add(bucket.buffer(), params, numels, is_last)
+        shadowed = ddp._planned(self.shadow, _Copied(bucket), is_last, first_iteration=False)
         shadowed.add_done_callback(lambda _: self.done_at.append(time.perf_counter()))
         self.shadowed.append(shadowed)
         result: Future[torch.Tensor] = Future()
@@ -410,6 +405,22 @@ class _Probe:
         probe step is not counted)."""
         forward_start = self.auto.timer.forward_start[self.auto.timer_step[self.step]]
         return max(self.done_at) - forward_start + self.auto.optimizer_s
+
+
+class _Copied:
+    """A DDP bucket whose buffer is a copy: what a shadow may change without touching training."""
+
+    def __init__(self, bucket: dist.GradBucket) -> None:
+        self._bucket, self._buffer = bucket, bucket.buffer().clone()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._bucket.index()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._bucket.parameters()
 
 
 def _forward_to(target: Future) -> Callable[[Future], None]:

@@ -320,13 +320,11 @@ def make_all(
     searched_s = time.perf_counter() - started
 
     options: list[tuple[float, str, list[list[int]], list[Strategy], list[str]]] = []
-    for candidate in found.tried[:CHECKED_CANDIDATES]:
+    for rank, candidate in enumerate(found.tried[:CHECKED_CANDIDATES], start=1):
         groups = [list(g) for g in candidate.groups]
         chosen = list(candidate.decision.strategies)
-        step = simulate(chosen, groups)
-        options.append(
-            (step, f"per-group plan, {candidate.label}", groups, chosen, list(candidate.decision.reasons))
-        )
+        label = f"per-group plan {rank} ({candidate.label})"
+        options.append((simulate(chosen, groups), label, groups, chosen, list(candidate.decision.reasons)))
     alternatives: dict[str, float] = {"per-group plan": min(option[0] for option in options)}
     has_rows = any(g.density for g in compute.gradients)
     for strategy in strategies:
