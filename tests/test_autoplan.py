@@ -1,0 +1,116 @@
+"""plan="auto"'s pieces in one process: the step timer's timeline, DDP's buckets as gradient runs,
+the candidate set, the codec specs and the warm-up length. (End to end: tests/distributed/
+test_dist_auto.py.)"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync import autoplan, plan
+from gradsync.config import SyncConfig
+from gradsync.cost import LinearFit
+from gradsync.sim import cluster as clusters
+from gradsync.sim.compute import Compute, Gradient
+from gradsync.sim.strategy import parse
+
+
+def fit(fixed_s: float, per_unit_s: float) -> LinearFit:
+    return LinearFit(fixed_s, per_unit_s, 0.0, 0.0, 2)
+
+
+def test_the_timeline_is_the_median_over_steps_of_hand_fed_marks() -> None:
+    timer = autoplan.StepTimer(nn.Linear(2, 2))
+    timer.close()
+    # Three steps: forward from f0 to f1; parameter 0 ready at f1 + r0, parameter 1 at f1 + r1;
+    # the exchange done at `synced`; the next step's forward at the next f0.
+    steps = [(0.0, 0.1, 0.15, 0.3, 0.35), (1.0, 1.2, 1.25, 1.5, 1.6), (2.0, 2.1, 2.14, 2.3, 2.3)]
+    for f0, f1, r0, r1, synced in steps:
+        timer.forward_start.append(f0)
+        timer.forward_end.append(f1)
+        timer.ready.append({0: r0, 1: r1})
+        timer.synced[len(timer.forward_start) - 1] = synced
+    timer.forward_start.append(3.0)  # the step after the last measured one
+    forward_s, backward_s, optimizer_s, ready = timer.timeline([0, 1, 2])
+    assert forward_s == pytest.approx(statistics.median([0.1, 0.2, 0.1]))
+    assert backward_s == pytest.approx(statistics.median([0.2, 0.3, 0.2]))
+    # From the later of the last gradient and the exchange's end to the next forward pass.
+    assert optimizer_s == pytest.approx(statistics.median([1.0 - 0.35, 2.0 - 1.6, 3.0 - 2.3]))
+    assert ready[0] == pytest.approx(statistics.median([0.05, 0.05, 0.04]))
+    assert ready[1] == pytest.approx(statistics.median([0.2, 0.3, 0.2]))
+
+
+def test_the_timer_marks_real_steps_in_backprop_order_and_stops_when_closed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    timer = autoplan.StepTimer(model)
+    for _ in range(2):
+        model(torch.randn(5, 8)).square().mean().backward()
+    assert len(timer.forward_start) == len(timer.forward_end) == len(timer.ready) == 2
+    marks = timer.ready[1]
+    assert set(marks) == {0, 1, 2, 3}
+    assert max(marks[2], marks[3]) <= min(marks[0], marks[1])  # the last layer's gradients first
+    assert all(timer.forward_end[1] <= t for t in marks.values())
+    timer.close()
+    model(torch.randn(5, 8)).sum().backward()
+    assert len(timer.forward_start) == 2
+
+
+def test_ddp_buckets_become_runs_of_gradients_in_the_measured_order() -> None:
+    params = (5, 4, 3, 2, 1, 0)  # gradient i is parameter params[i]
+    assert autoplan._as_gradients([(5, 4), (3, 2, 1, 0)], params) == [[0, 1], [2, 3, 4, 5]]
+    assert autoplan._as_gradients([(3, 2, 1, 0), (5, 4)], params) == [[0, 1], [2, 3, 4, 5]]
+    assert autoplan._as_gradients([(5, 3), (4, 2, 1, 0)], params) is None  # not runs
+    assert autoplan._as_gradients([], params) is None
+
+
+def _measured() -> autoplan.Measured:
+    """Four gradients on 4 measured ranks whose network is slow enough that compression pays
+    for the large ones and not for the small."""
+    numels = (1 << 10, 1 << 22, 1 << 10, 1 << 22)
+    gradients = tuple(Gradient(f"p{i}", n, 0.01 * (i + 1)) for i, n in enumerate(numels))
+    compute = Compute(0.02, 0.04, 0.005, gradients, name="hand-made")
+    codec = {"compress": fit(1e-4, 2e-9), "decompress": fit(1e-4, 2e-9)}
+    where = clusters.measured(
+        4,
+        {"allreduce": fit(2e-4, 4e-8), "allgather": fit(2e-4, 3e-8), "all_to_all": fit(2e-4, 3e-8)},
+        {"fp16": codec, "bf16": codec, "topk:ratio=0.01": codec},
+    )
+    return autoplan.Measured(compute, where, (3, 2, 1, 0))
+
+
+def test_candidates_weigh_compressing_against_not_without_repeats() -> None:
+    config = SyncConfig(compressor="topk", compressor_args={"ratio": 0.01}, plan="auto")
+    found = autoplan.candidates(_measured(), config, "sig", buckets=[(3, 2), (1, 0)])
+    ranked = plan.make_all(
+        _measured().compute,
+        _measured().cluster,
+        "topk",
+        {"ratio": 0.01},
+        "sig",
+        (3, 2, 1, 0),
+        buckets=[[0, 1], [2, 3]],
+    )
+    assert 2 <= len(found) <= autoplan.CANDIDATES
+    # The best predicted first (timings in meta aside, the same plan).
+    assert (found[0].groups, found[0].predicted_step_s) == (ranked[0].groups, ranked[0].predicted_step_s)
+    compresses = [any(s.compressed for s in p.strategies) for p in found]
+    assert True in compresses and False in compresses
+    keys = [tuple((g.params, g.strategy) for g in p.groups) for p in found]
+    assert len(set(keys)) == len(keys)
+    assert all(p.model == "sig" for p in found)
+    # Groups are parameter positions: each plan covers parameters 0..3 once.
+    assert all(sorted(q for g in p.groups for q in g.params) == [0, 1, 2, 3] for p in found)
+
+
+def test_codec_specs_name_codecs_as_strategies_do_and_warmup_covers_the_probes() -> None:
+    config = SyncConfig(compressor="topk", compressor_args={"ratio": 0.01, "mode": "sampled"}, plan="auto")
+    specs = autoplan.codec_specs(config)
+    assert specs == ["fp16", "bf16", parse("topk:ratio=0.01:mode=sampled").spec]
+    assert autoplan.codec_specs(SyncConfig(compressor="none", plan="auto")) == ["fp16", "bf16"]
+    probing = 1 + autoplan.MEASURED + autoplan.CANDIDATES * autoplan.STEPS_EACH
+    assert autoplan.warmup_steps(config) == max(config.warmup_steps, probing)
+    assert autoplan.warmup_steps(SyncConfig(warmup_steps=probing + 5, plan="auto")) == probing + 5
