@@ -19,8 +19,8 @@ The decision (Espresso, EuroSys'23, section 4.4), on the timeline of sim/quick.p
   4. CPU offload (Espresso's Algorithm 2): groups compressed on the device are put in classes of
      equal size and strategy; within a class, offloading the groups farthest from the output is
      best (Lemma 1), so only the count per class matters. Every vector of counts is tried where
-     there are at most OFFLOAD_EXACT_LIMIT of them; beyond that, one class at a time, best count
-     first, until no class changes.
+     there are at most OFFLOAD_EXACT_LIMIT of them; beyond that, one class at a time, largest
+     groups first, each taking its best count given the counts chosen before it (one pass).
 
 `decide` returns the strategies with the reason for each; `brute_force` enumerates every
 assignment of small instances, the reference the tests and `gradsync bench plan` compare with.
@@ -171,9 +171,11 @@ def decide(problem: Problem) -> Decision:
     at = problem.layout(assignment, offloads=False)
     fp32_step = float(at.step_s[0])
     reasons = ["" for _ in range(count)]
+    tried_at: dict[int, tuple[list[int], np.ndarray, int]] = {}  # group -> its trial, for its reason
     settled = np.zeros(count, dtype=bool)
+    start, end = at.link_start_s[0], at.link_end_s[0]
     for group in sorted(range(count), key=lambda g: (-problem.numels[g], g)):
-        _prune_before_bubbles(problem, assignment, at.link_start_s[0], at.link_end_s[0], settled, reasons)
+        _prune_before_bubbles(problem, assignment, start, end, settled, reasons)
         if settled[group]:
             continue
         choices = [j for j in on_device if problem.valid[group, j]]
@@ -183,12 +185,10 @@ def decide(problem: Problem) -> Decision:
         best = _first_least(tried.step_s)
         assignment[group] = choices[best]
         settled[group] = True
-        reasons[group] = _reason(problem, choices, tried.step_s, best)
-        at = quick.Layout(
-            tried.step_s[best : best + 1],
-            tried.link_start_s[best : best + 1],
-            tried.link_end_s[best : best + 1],
-        )
+        tried_at[group] = (choices, tried.step_s, best)
+        start, end = tried.link_start_s[best], tried.link_end_s[best]
+    for group, (choices, steps, best) in tried_at.items():  # worded once the decision is made
+        reasons[group] = _reason(problem, choices, steps, best)
     _offload(problem, assignment, reasons)
     return Decision(
         tuple(problem.space[j] for j in assignment),
@@ -274,15 +274,11 @@ def _offload(problem: Problem, assignment: np.ndarray, reasons: list[str]) -> No
         vectors = list(itertools.product(*(range(size) for size in sizes)))
         steps = problem.layout(rows_for(vectors)).step_s
         best = vectors[_first_least(steps)]
-    else:  # one class at a time, until no class changes
+    else:  # one class at a time, largest first: the best count given the counts chosen before
         best = tuple(0 for _ in sizes)
-        for _ in range(3):
-            before = best
-            for c, size in enumerate(sizes):
-                vectors = [(*best[:c], q, *best[c + 1 :]) for q in range(size)]
-                best = vectors[_first_least(problem.layout(rows_for(vectors)).step_s)]
-            if best == before:
-                break
+        for c in sorted(range(len(sizes)), key=lambda c: -list(classes)[c][0]):
+            vectors = [(*best[:c], q, *best[c + 1 :]) for q in range(sizes[c])]
+            best = vectors[_first_least(problem.layout(rows_for(vectors)).step_s)]
     device_step = problem.step(assignment)
     final = rows_for([best])[0]
     step = problem.step(final)

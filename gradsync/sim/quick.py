@@ -100,10 +100,13 @@ def layout_columns(
     transfer_ready = threads.run_all(compressed, cpu_pre) if threads else compressed
 
     # Transfers in group order, one at a time; a group with nothing to send does not wait for them.
-    sends = net > 0
     sent = np.cumsum(net, axis=1)
-    lead = np.maximum.accumulate(np.where(sends, transfer_ready - (sent - net), -np.inf), axis=1)
-    link_end = np.where(sends, sent + lead, transfer_ready)
+    sends = net > 0
+    if sends.all():  # the usual case: every group sends something
+        link_end = sent + np.maximum.accumulate(transfer_ready - (sent - net), axis=1)
+    else:
+        lead = np.maximum.accumulate(np.where(sends, transfer_ready - (sent - net), -np.inf), axis=1)
+        link_end = np.where(sends, sent + lead, transfer_ready)
 
     # Decoding on the device: the groups whose transfer ends while the backward pass (lengthened by
     # the decodes before) still runs share the device with it; the rest queue after it.
