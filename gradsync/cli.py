@@ -42,11 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     testbed_parser = _add_testbed(commands)
     simulate_parser = _add_simulate(commands)
+    plan_parser = _add_plan(commands)
     args = parser.parse_args(argv)
     if args.command == "list":
         return _list(args.json)
     if args.command == "simulate":
         return _simulate(args, simulate_parser)
+    if args.command == "plan":
+        return _plan(args, plan_parser)
     if args.command == "bench":
         run_bench = {
             "kernels": _bench_kernels,
@@ -518,8 +521,10 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.json:
         print(json.dumps([report.to_dict(r) for r in results], indent=1))
     else:
-        print(f"{work.name or 'profiled model'}: {work.num_params:,} parameters, {where.describe()}, "
-              f"{work.batch_size} samples per worker; one worker alone: {work.step_s * 1e3:.1f} ms per step")
+        print(
+            f"{work.name or 'profiled model'}: {work.num_params:,} parameters, {where.describe()}, "
+            f"{work.batch_size} samples per worker; one worker alone: {work.step_s * 1e3:.1f} ms per step"
+        )
         print(report.table(results))
         print(f"simulated {len(results)} strategies x {where.world_size} workers in {elapsed:.3f} s")
     if args.gantt:
@@ -528,6 +533,154 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         path = gantt.draw(results, args.gantt, f"{work.name}, {where.describe()}")
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from .sim import cluster, models
+
+    plan = commands.add_parser(
+        "plan",
+        help="make a per-group plan (groups, strategies, reasons): simulated, or measured on real ranks",
+        description="Plans which strategy each group of gradients takes and how gradients are merged "
+        "into groups. With --model or --profile, for a simulated cluster; with --workload, by training "
+        "it with SyncConfig(plan='auto') on --world ranks, printing the plan adopted with its predicted "
+        "and measured step.",
+    )
+    mode = plan.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--model", help=f"plan a simulated model: one of {', '.join(models.names())} (default bert-base)"
+    )
+    mode.add_argument("--profile", help="plan from a profile measured by gradsync.profile (JSON)")
+    mode.add_argument(
+        "--workload", help="measure: train this workload (gpt-tiny, mlp-wide, ...) with plan='auto'"
+    )
+    plan.add_argument(
+        "--compressor",
+        default="topk:ratio=0.01",
+        help="the codec the plan may use besides fp32, fp16 and bf16, with its arguments; 'none' for "
+        "those only (default %(default)s)",
+    )
+    plan.add_argument(
+        "--max-groups", type=int, default=64, help="most groups the schedule tries (default 64)"
+    )
+    plan.add_argument("--out", default="", help="write the plan as JSON here (SyncConfig(plan=PATH) runs it)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    simulated = plan.add_argument_group("a simulated cluster (--model)")
+    simulated.add_argument("--nodes", type=int, default=8, help="machines (default 8)")
+    simulated.add_argument("--gpus-per-node", type=int, default=8, help="workers per machine (default 8)")
+    simulated.add_argument("--device", default="v100", help=f"one of {', '.join(cluster.DEVICES)}")
+    simulated.add_argument("--inter", default="25gbit", help="bandwidth between nodes, e.g. 25gbit")
+    simulated.add_argument("--intra", default="nvlink", choices=("nvlink", "pcie"), help="link inside a node")
+    simulated.add_argument(
+        "--precision", default="mixed", choices=cluster.PRECISIONS, help="compute precision"
+    )
+    simulated.add_argument(
+        "--batch", type=int, default=None, help="samples per worker (default: the model's)"
+    )
+    measured = plan.add_argument_group("measured on real ranks (--workload)")
+    measured.add_argument("--world", type=int, default=4, help="ranks (default 4)")
+    measured.add_argument("--steps", type=int, default=30, help="steps to train: planning takes the first 21")
+    measured.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    _add_network_options(measured, measured)
+    return plan
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`gradsync plan`: one function per mode; each returns the plan and what to say about it."""
+    from .registry import parse_spec
+
+    try:
+        name, codec_args = parse_spec(args.compressor, "compressor")
+        if args.max_groups < 1:
+            raise ValueError(f"--max-groups {args.max_groups} must be >= 1 group")
+        if args.workload:
+            made = _plan_measured(args, name, codec_args)
+            if made is None:
+                return 1
+            plan, notes = made
+        else:
+            plan, notes = _plan_simulated(args, name, codec_args)
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        parser.error(str(err).strip("'\""))
+    if args.out:
+        plan.save(args.out)
+        notes.append(f"wrote {args.out}")
+    print(plan.to_json() if args.json else plan.describe())
+    for note in notes:
+        print(note, file=sys.stderr)
+    return 0
+
+
+def _plan_simulated(args: argparse.Namespace, name: str, codec_args: dict[str, Any]) -> tuple[Any, list[str]]:
+    from . import plan as plans
+    from .sim import cluster, compute, models
+
+    if args.profile:
+        from .profile import Profile
+
+        profile = Profile.load(args.profile)
+        work, where = compute.from_profile(profile), cluster.from_profile(profile)
+        params, model = [t.index for t in profile.tensors], f"profile:{work.name}"
+    else:
+        where = cluster.cluster(
+            args.nodes, args.gpus_per_node, args.device, args.inter, args.intra, args.precision
+        )
+        work = compute.from_model(
+            models.build(args.model or "bert-base"), where.device, args.precision, args.batch
+        )
+        params, model = None, f"sim:{work.name}"
+    compressor = None if name in ("none", "fp32") else name
+    made = plans.make(work, where, compressor, codec_args, model, params, args.max_groups)
+    meta = made.meta
+    notes = [
+        f"{work.name}: {work.num_params:,} parameters on {where.describe()}; searched "
+        f"{meta['groupings_tried']} groupings in {meta['search_s'] * 1e3:.0f} ms (the best one's "
+        f"per-group decision: {meta['decision_s'] * 1e3:.1f} ms)"
+    ]
+    return made, notes
+
+
+def _plan_measured(
+    args: argparse.Namespace, name: str, codec_args: dict[str, Any]
+) -> tuple[Any, list[str]] | None:
+    from .bench import train
+    from .plan import Plan
+    from .testbed import TestbedError
+
+    spec = ":".join([f"auto:compressor={name}", *(f"{k}={v}" for k, v in codec_args.items())])
+    options = train.BenchOptions(
+        workload=args.workload,
+        world_size=args.world,
+        strategies=(spec,),
+        steps=args.steps,
+        eval_every=args.steps,
+        threads=args.threads,
+    )
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    try:
+        with contextlib.ExitStack() as stack:
+            network = train.open_network(
+                stack, args.testbed, options.world_size, args.bandwidth, args.latency, not args.no_probe, say
+            )
+            document = train.run(options, network, progress=False)
+    except (TestbedError, train.BenchError) as err:
+        say(f"gradsync: error: {err}")
+        return None
+    (run,) = document["runs"]
+    steady = run["step_median_s"]
+    made = Plan.from_dict(run["plan"])
+    shadow = made.measured_step_s
+    made = made.with_measured(steady)
+    counted = options.steps - options.steady_from
+    notes = [
+        f"{args.workload} on {args.world} ranks, {network.description}: predicted step "
+        f"{made.predicted_step_s * 1e3:.1f} ms; measured {steady * 1e3:.1f} ms (median of the {counted} "
+        f"steps after planning), {shadow * 1e3:.1f} ms when confirmed in the shadow"
+    ]
+    return made, notes
 
 
 def _grouping(text: str, numels: list[int]) -> list[list[int]]:

@@ -230,9 +230,9 @@ def _reason(problem: Problem, choices: list[int], steps: np.ndarray, best: int) 
     chosen = problem.space[choices[best]].text
     order = np.argsort(steps, kind="stable")
     runner = next((k for k in order if k != best), None)
-    text = f"{chosen}: predicted step {1e3 * steps[best]:.2f} ms"
+    text = f"{chosen}: step {1e3 * steps[best]:.2f} ms when chosen"
     if choices[best] != 0 and 0 in choices:
-        text += f" (fp32 {1e3 * steps[choices.index(0)]:.2f} ms)"
+        text += f" (fp32: {1e3 * steps[choices.index(0)]:.2f} ms)"
     if runner is not None:
         text += f"; next best {problem.space[choices[runner]].text} {1e3 * steps[runner]:.2f} ms"
     return text
