@@ -108,22 +108,52 @@ def layout_columns(
         lead = np.maximum.accumulate(np.where(sends, transfer_ready - (sent - net), -np.inf), axis=1)
         link_end = np.where(sends, sent + lead, transfer_ready)
 
-    # Decoding on the device: the groups whose transfer ends while the backward pass (lengthened by
-    # the decodes before) still runs share the device with it; the rest queue after it.
-    decodes = device_post > 0
-    decoded = np.cumsum(device_post, axis=1)
-    fits = (link_end - (decoded - device_post) < backward_end[:, None]) | ~decodes
-    sharing = np.logical_and.accumulate(fits, axis=1) & decodes
-    backward_end = backward_end + (device_post * sharing).sum(axis=1)
-    queued = decodes & ~sharing
-    queue_cost = device_post * queued
-    queued_sum = np.cumsum(queue_cost, axis=1)
-    queue_lead = np.maximum.accumulate(np.where(queued, link_end - (queued_sum - queue_cost), 0.0), axis=1)
-    done = np.where(queued, queued_sum + queue_lead, link_end + device_post * sharing)
+    # After the transfers: decoding on a CPU thread, then work on the device (decoding, or the
+    # copy back into DDP's buckets), each asked for when what comes before it ends.
+    asked = link_end
     if threads is not None:
-        done = np.maximum(done, threads.run_all(link_end, cpu_post))
+        asked = threads.run_all(link_end, cpu_post)
+    if threads is not None and (cpu_post * device_post).any():
+        backward_end, done = _device_in_order(asked, device_post, backward_end)  # asks out of order
+    else:
+        backward_end, done = _device_after(asked, device_post, backward_end)
     finish = np.maximum(backward_end, done.max(axis=1))
     return Layout(finish + compute.optimizer_s, link_end - net, link_end)
+
+
+def _device_after(
+    asked: np.ndarray, seconds: np.ndarray, backward_end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(backward end, each group's end): device work asked for at `asked`, in group order, where
+    `asked` does not decrease along a row. Work asked for while the backward pass (lengthened by
+    the work before) still runs shares the device with it; the rest queues after it. Since the
+    asks do not decrease, the sharing groups are a prefix, found with one comparison."""
+    work = seconds > 0
+    before = np.cumsum(seconds, axis=1) - seconds
+    fits = (asked - before < backward_end[:, None]) | ~work
+    sharing = np.logical_and.accumulate(fits, axis=1) & work
+    backward_end = backward_end + (seconds * sharing).sum(axis=1)
+    queued = work & ~sharing
+    queue_cost = seconds * queued
+    queued_sum = np.cumsum(queue_cost, axis=1)
+    queue_lead = np.maximum.accumulate(np.where(queued, asked - (queued_sum - queue_cost), 0.0), axis=1)
+    return backward_end, np.where(queued, queued_sum + queue_lead, asked + seconds * sharing)
+
+
+def _device_in_order(
+    asked: np.ndarray, seconds: np.ndarray, backward_end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """_device_after for asks in any order: one group at a time, as the engine's device does."""
+    done, after = asked.copy(), np.zeros(len(asked))
+    for group in np.flatnonzero(seconds.any(axis=0)):
+        t, s = asked[:, group], seconds[:, group]
+        sharing = (t < backward_end) & (s > 0)
+        start = np.where(sharing, t, np.maximum(t, after))
+        finish = start + s
+        backward_end = np.where(sharing, backward_end + s, backward_end)
+        after = np.where((s > 0) & ~sharing, finish, after)
+        done[:, group] = np.where(s > 0, finish, t)
+    return backward_end, done
 
 
 class _Threads:
