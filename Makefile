@@ -6,7 +6,8 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo bench-kernels bench-train bench-train-embed-lm bench-sparse bench-sim bench-fidelity test test-all lint clean
+.PHONY: demo bench-kernels bench-train bench-train-embed-lm bench-sparse bench-sim bench-fidelity bench-plan \
+	bench-plan-train test test-all lint clean
 
 # gpt-tiny on 4 ranks: plain DDP vs gradsync top-k on the emulated 1 Gbit/s testbed (as root with
 # iproute2; loopback with a warning otherwise). Prints the table; plots go to runs/demo/.
@@ -38,6 +39,21 @@ bench-sparse: $(STAMP)
 # 8 x 8 V100 with 25 and 100 Gbit/s between nodes (README's simulator tables).
 bench-sim: $(STAMP)
 	$(BIN)/python -m gradsync bench sim --out docs/bench-sim
+
+# The planner on the simulator's model profiles: against brute force on coarsened models, against
+# every uniform strategy and MergeComp's layer-wise and one-group baselines, and its decision time.
+bench-plan: $(STAMP)
+	$(BIN)/python -m gradsync bench plan --out docs/bench-plan
+
+# plan="auto" against every fixed configuration of its space: gpt-tiny on 4 ranks on loopback and on
+# testbed hosts at 10 and 1 Gbit/s (README's planning table).
+bench-plan-train: $(STAMP)
+	for net in loopback 10gbit 1gbit; do \
+		if [ $$net = loopback ]; then where=""; else where="--testbed --bandwidth $$net"; fi; \
+		$(BIN)/python -m gradsync bench train --workload gpt-tiny --world 4 \
+			--strategies ddp,fp16,bf16,topk,auto --steps 46 --eval-every 46 $$where \
+			--out docs/bench-plan-train/$$net || exit 1; \
+	done
 
 # The simulator's predicted step time vs the measured one on the testbed: gpt-tiny on 2 and 4 hosts at
 # 1 Gbit/s and 300 Mbit/s, DDP vs gradsync fp16 and qsgd, each predicted from a profile of its ranks.

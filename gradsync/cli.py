@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.add_argument("--steps", type=int, default=None, help="training steps per run (default: the demo's)")
     demo.add_argument("--loopback", action="store_true", help="skip the emulated network")
-    bench = commands.add_parser("bench", help="benchmarks: kernels, train, sparse, sim, fidelity")
+    bench = commands.add_parser("bench", help="benchmarks: kernels, train, sparse, sim, fidelity, plan")
     benches = bench.add_subparsers(dest="bench", required=True)
     # One entry per benchmark, each with its own parser for its own errors.
     bench_parsers = {
@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sparse": _add_bench_sparse(benches),
         "sim": _add_bench_sim(benches),
         "fidelity": _add_bench_fidelity(benches),
+        "plan": _add_bench_plan(benches),
     }
     testbed_parser = _add_testbed(commands)
     simulate_parser = _add_simulate(commands)
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sparse": _bench_sparse,
             "sim": _bench_sim,
             "fidelity": _bench_fidelity,
+            "plan": _bench_plan,
         }[args.bench]
         return run_bench(args, bench_parsers[args.bench])
     if args.command == "testbed":
@@ -444,6 +446,33 @@ def _bench_fidelity(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         return 1
     print(fidelity.table(document))
     for path in fidelity.write(document, args.out):
+        say(f"wrote {path}")
+    return 0
+
+
+def _add_bench_plan(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    bench = benches.add_parser(
+        "plan",
+        help="the planner against brute force and uniform strategies, and its decision time (simulated)",
+        description="Quality against brute force on coarsened models, plans against every uniform "
+        "strategy and MergeComp's layer-wise and one-group baselines, and decision times, on the "
+        "simulator's model profiles. Writes results.json and README.md.",
+    )
+    bench.add_argument("--out", default="runs/bench-plan", help="output folder (default %(default)s)")
+    bench.add_argument("--quick", action="store_true", help="two models, one cluster: a smoke run")
+    return bench
+
+
+def _bench_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench import planning
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    document = planning.run(planning.QUICK if args.quick else planning.Options(), say)
+    command = "python -m gradsync bench plan" + (" --quick" if args.quick else "") + f" --out {args.out}"
+    print(planning.table(document))
+    for path in planning.write(document, args.out, command):
         say(f"wrote {path}")
     return 0
 
