@@ -18,11 +18,10 @@ same schedule, on every rank.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from . import planner
 from .sim import groups as grouping
@@ -86,16 +85,15 @@ def search(
             tried[key] = Candidate(label, key, decision)
         return tried[key]
 
-    for count in COUNTS:
-        if count > min(len(numels), max_groups):
-            break
-        consider(f"{count} equal groups", grouping.equal(numels, count))
     if len(buckets) <= max_groups:
         consider("DDP's buckets", buckets)
+    for count in COUNTS:
+        if count > min(len(numels), max_groups) or len(tried) >= budget:
+            break
+        consider(f"{count} equal groups", grouping.equal(numels, count))
 
     best = min(tried.values(), key=lambda c: c.step_s)
-    cuts = [len(g) for g in best.groups][:-1]
-    cuts = list(np.cumsum(cuts)) if cuts else []
+    cuts = list(itertools.accumulate(len(g) for g in best.groups[:-1]))
     stride = max(1, len(numels) // (4 * len(best.groups)))
     while stride >= 1 and len(tried) < budget and cuts:
         improved = False

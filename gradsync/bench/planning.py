@@ -20,7 +20,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,108 +73,104 @@ def all_groupings(count: int) -> list[list[list[int]]]:
     ]
 
 
+def _cases(options: Options) -> Iterator[tuple[str, str, clusters.Cluster, Compute]]:
+    """(model, cluster label, cluster, the model's compute on it) for every model x cluster."""
+    for name in options.models:
+        for label in options.clusters:
+            where = CLUSTERS[label]()
+            yield name, label, where, computes.from_model(models.build(name), where.device)
+
+
 def quality(options: Options) -> list[dict[str, Any]]:
     rows = []
-    for name in options.models:
-        for label in options.clusters:
-            where = CLUSTERS[label]()
-            for codec_label, (codec, args) in CODECS.items():
-                space = planner.space(where, codec, args)
-                for units in options.units:
-                    work = coarsen(computes.from_model(models.build(name), where.device), units)
-                    buckets = grouping.ddp(work.numels)
-                    fixed = grouping.layerwise(units)
-                    decided = planner.decide(
-                        planner.Problem(work, where, fixed, space, buckets=buckets)
-                    ).step_s
-                    _, optimum = planner.brute_force(
-                        planner.Problem(work, where, fixed, space, buckets=buckets)
-                    )
-                    searched = schedule.search(work, where, space).best.step_s
-                    best_any = min(
-                        planner.brute_force(planner.Problem(work, where, g, space, buckets=buckets))[1]
-                        for g in all_groupings(units)
-                    )
-                    rows.append(
-                        {
-                            "model": name,
-                            "cluster": label,
-                            "codec": codec_label,
-                            "units": units,
-                            "strategies": len(space),
-                            "decide_s": decided,
-                            "brute_force_s": optimum,
-                            "decide_gap": decided / optimum - 1,
-                            "search_s": searched,
-                            "brute_force_all_groupings_s": best_any,
-                            "search_gap": searched / best_any - 1,
-                        }
-                    )
-    return rows
-
-
-def uniform(options: Options) -> list[dict[str, Any]]:
-    rows = []
-    for name in options.models:
-        for label in options.clusters:
-            where = CLUSTERS[label]()
-            work = computes.from_model(models.build(name), where.device)
-            for codec_label, (codec, args) in CODECS.items():
-                started = time.perf_counter()
-                made = plans.make(work, where, codec, args, model=f"sim:{name}")
-                elapsed = time.perf_counter() - started
-                uniforms = {k: v for k, v in made.alternatives.items() if k.endswith("DDP buckets")}
-                best_uniform = min(uniforms, key=uniforms.__getitem__)
-                codec_text = next(k for k in made.alternatives if k.endswith(", layer-wise")).removesuffix(
-                    ", layer-wise"
+    for name, label, where, full in _cases(options):
+        for codec_label, (codec, args) in CODECS.items():
+            space = planner.space(where, codec, args)
+            for units in options.units:
+                work = coarsen(full, units)
+                buckets = grouping.ddp(work.numels)
+                fixed = grouping.layerwise(units)
+                decided = planner.decide(planner.Problem(work, where, fixed, space, buckets=buckets)).step_s
+                _, optimum = planner.brute_force(planner.Problem(work, where, fixed, space, buckets=buckets))
+                searched = schedule.search(work, where, space).best.step_s
+                best_any = min(
+                    planner.brute_force(planner.Problem(work, where, g, space, buckets=buckets))[1]
+                    for g in all_groupings(units)
                 )
                 rows.append(
                     {
                         "model": name,
                         "cluster": label,
                         "codec": codec_label,
-                        "planned_s": made.predicted_step_s,
-                        "chosen": made.meta["chosen"],
-                        "per_group_plan_s": made.alternatives["per-group plan"],
-                        "best_uniform": best_uniform,
-                        "best_uniform_s": uniforms[best_uniform],
-                        "fp32_ddp_s": made.alternatives["fp32, DDP buckets"],
-                        "layerwise_s": made.alternatives[f"{codec_text}, layer-wise"],
-                        "one_group_s": made.alternatives[f"{codec_text}, one group"],
-                        "make_s": elapsed,
-                        "search_s": made.meta["search_s"],
+                        "units": units,
+                        "strategies": len(space),
+                        "decide_s": decided,
+                        "brute_force_s": optimum,
+                        "decide_gap": decided / optimum - 1,
+                        "search_s": searched,
+                        "brute_force_all_groupings_s": best_any,
+                        "search_gap": searched / best_any - 1,
                     }
                 )
     return rows
 
 
+def uniform(options: Options) -> list[dict[str, Any]]:
+    rows = []
+    for name, label, where, work in _cases(options):
+        for codec_label, (codec, args) in CODECS.items():
+            started = time.perf_counter()
+            made = plans.make(work, where, codec, args, model=f"sim:{name}")
+            elapsed = time.perf_counter() - started
+            uniforms = {k: v for k, v in made.alternatives.items() if k.endswith("DDP buckets")}
+            best_uniform = min(uniforms, key=uniforms.__getitem__)
+            codec_text = next(k for k in made.alternatives if k.endswith(", layer-wise")).removesuffix(
+                ", layer-wise"
+            )
+            rows.append(
+                {
+                    "model": name,
+                    "cluster": label,
+                    "codec": codec_label,
+                    "planned_s": made.predicted_step_s,
+                    "chosen": made.meta["chosen"],
+                    "per_group_plan_s": made.alternatives["per-group plan"],
+                    "best_uniform": best_uniform,
+                    "best_uniform_s": uniforms[best_uniform],
+                    "fp32_ddp_s": made.alternatives["fp32, DDP buckets"],
+                    "layerwise_s": made.alternatives[f"{codec_text}, layer-wise"],
+                    "one_group_s": made.alternatives[f"{codec_text}, one group"],
+                    "make_s": elapsed,
+                    "search_s": made.meta["search_s"],
+                }
+            )
+    return rows
+
+
 def timing(options: Options) -> list[dict[str, Any]]:
     rows = []
-    for name in options.models:
-        for label in options.clusters:
-            where = CLUSTERS[label]()
-            work = computes.from_model(models.build(name), where.device)
-            space = planner.space(where, "topk", {"ratio": 0.01})
-            cases = [("100 groups", grouping.equal(work.numels, 100))] if len(work.numels) >= 100 else []
-            cases.append((f"{len(work.numels)} tensors", grouping.layerwise(len(work.numels))))
-            for case, groups in cases:
-                costing, deciding = [], []
-                for _ in range(options.repeats):
-                    started = time.perf_counter()
-                    problem = planner.Problem(work, where, groups, space)
-                    costing.append(time.perf_counter() - started)
-                    deciding.append(planner.decide(problem).seconds)
-                rows.append(
-                    {
-                        "model": name,
-                        "cluster": label,
-                        "case": case,
-                        "groups": len(groups),
-                        "strategies": len(space),
-                        "decide_ms": 1e3 * statistics.median(deciding),
-                        "costing_ms": 1e3 * statistics.median(costing),
-                    }
-                )
+    for name, label, where, work in _cases(options):
+        space = planner.space(where, "topk", {"ratio": 0.01})
+        cases = [("100 groups", grouping.equal(work.numels, 100))] if len(work.numels) >= 100 else []
+        cases.append((f"{len(work.numels)} tensors", grouping.layerwise(len(work.numels))))
+        for case, groups in cases:
+            costing, deciding = [], []
+            for _ in range(options.repeats):
+                started = time.perf_counter()
+                problem = planner.Problem(work, where, groups, space)
+                costing.append(time.perf_counter() - started)
+                deciding.append(planner.decide(problem).seconds)
+            rows.append(
+                {
+                    "model": name,
+                    "cluster": label,
+                    "case": case,
+                    "groups": len(groups),
+                    "strategies": len(space),
+                    "decide_ms": 1e3 * statistics.median(deciding),
+                    "costing_ms": 1e3 * statistics.median(costing),
+                }
+            )
     return rows
 
 
