@@ -260,6 +260,7 @@ def _offload(problem: Problem, assignment: np.ndarray, reasons: list[str]) -> No
         return
     # Lemma 1: within a class, offload those farthest from the output (last in backprop order).
     members = [sorted(groups, reverse=True) for groups in classes.values()]
+    numels = [numel for numel, _ in classes]
 
     def rows_for(vectors: list[tuple[int, ...]]) -> np.ndarray:
         rows = np.repeat(assignment[None], len(vectors), axis=0)
@@ -276,7 +277,7 @@ def _offload(problem: Problem, assignment: np.ndarray, reasons: list[str]) -> No
         best = vectors[_first_least(steps)]
     else:  # one class at a time, largest first: the best count given the counts chosen before
         best = tuple(0 for _ in sizes)
-        for c in sorted(range(len(sizes)), key=lambda c: -list(classes)[c][0]):
+        for c in sorted(range(len(sizes)), key=lambda c: -numels[c]):
             vectors = [(*best[:c], q, *best[c + 1 :]) for q in range(sizes[c])]
             best = vectors[_first_least(problem.layout(rows_for(vectors)).step_s)]
     device_step = problem.step(assignment)
