@@ -160,7 +160,13 @@ def measure(
     values = [forward_s, backward_s, optimizer_s] + [ready.get(i, -1.0) for i in range(len(timer.params))]
     slowest = profile.slowest_rank(comm, values, device)
     forward_s, backward_s, optimizer_s = slowest[:3]
-    ready_s = {i: t for i, t in enumerate(slowest[3:]) if t >= 0}
+    # A trainable parameter no rank saw a gradient for (unused in these steps) is still in DDP's
+    # buckets, so the plan must hold it: as if ready when the backward pass ends.
+    ready_s = {
+        i: t if t >= 0 else backward_s
+        for i, t in enumerate(slowest[3:])
+        if t >= 0 or timer.params[i].requires_grad
+    }
     order = sorted(ready_s, key=lambda i: (ready_s[i], i))
     gradients, last = [], 0.0
     for i in order:

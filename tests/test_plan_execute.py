@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
-from gradsync import SyncConfig, SyncState, compress, exchange
+from gradsync import SyncConfig, SyncState, autoplan, compress, exchange
 from gradsync.comm import LocalComm, completed
 from gradsync.plan import GroupPlan, Plan, signature
 from gradsync.regroup import Regroup
@@ -141,6 +141,29 @@ def test_plan_auto_registers_a_planner_that_has_not_planned_yet(one_rank: None) 
     state = gradsync.register(DistributedDataParallel(Net()), cfg)
     assert state.auto is not None and state.plan is None
     assert state.stats()["auto"]["adopted_at_step"] is None
+
+
+class WithUnused(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(3, 3)  # never in the forward pass
+
+
+def test_plan_auto_plans_every_trainable_parameter_even_one_never_used(one_rank: None) -> None:
+    model = DistributedDataParallel(WithUnused(), find_unused_parameters=True)
+    state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(autoplan.warmup_steps(state.config) + 2):
+        words, labels = batch(step)
+        optimizer.zero_grad()
+        loss_fn(model(words), labels).backward()
+        optimizer.step()
+    assert state.auto is not None and state.auto.done and state.plan is not None
+    covered = sorted(p for group in state.plan.groups for p in group.params)
+    assert covered == list(range(len(list(model.parameters()))))
+    state.plan.check(model, 1)  # the plan it made fits the model
+    assert all(g is not None for g in state.stats()["groups"])  # and every group ran
 
 
 def test_plan_auto_refuses_sparse_gradients_before_training(one_rank: None) -> None:
