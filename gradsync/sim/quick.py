@@ -114,46 +114,43 @@ def layout_columns(
     if threads is not None:
         asked = threads.run_all(link_end, cpu_post)
     if threads is not None and (cpu_post * device_post).any():
-        backward_end, done = _device_in_order(asked, device_post, backward_end)  # asks out of order
+        finish = _device_in_order(asked, device_post, backward_end)  # asks out of group order
     else:
-        backward_end, done = _device_after(asked, device_post, backward_end)
-    finish = np.maximum(backward_end, done.max(axis=1))
+        finish = _device_after(asked, device_post, backward_end)
     return Layout(finish + compute.optimizer_s, link_end - net, link_end)
 
 
-def _device_after(
-    asked: np.ndarray, seconds: np.ndarray, backward_end: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """(backward end, each group's end): device work asked for at `asked`, in group order, where
-    `asked` does not decrease along a row. Work asked for while the backward pass (lengthened by
-    the work before) still runs shares the device with it; the rest queues after it. Since the
-    asks do not decrease, the sharing groups are a prefix, found with one comparison."""
-    work = seconds > 0
+def _device_after(asked: np.ndarray, seconds: np.ndarray, backward_end: np.ndarray) -> np.ndarray:
+    """When each row's step is done: device work of `seconds` asked for at `asked`, in group
+    order, where `asked` does not decrease along a row, after the backward pass that ends at
+    `backward_end` as far as it is known.
+
+    Work asked for while the backward pass (lengthened by the work before) still runs shares the
+    device with it, so it ends before the pass does; the rest queues after it, one at a time.
+    Since the asks do not decrease, the sharing groups are a prefix, found with one comparison;
+    and only the queue's end matters, a max-plus recurrence's last value."""
+    idle = seconds == 0
     before = np.cumsum(seconds, axis=1) - seconds
-    fits = (asked - before < backward_end[:, None]) | ~work
-    sharing = np.logical_and.accumulate(fits, axis=1) & work
-    backward_end = backward_end + (seconds * sharing).sum(axis=1)
-    queued = work & ~sharing
+    sharing = np.logical_and.accumulate((asked - before < backward_end[:, None]) | idle, axis=1)
+    queued = ~sharing & ~idle
     queue_cost = seconds * queued
-    queued_sum = np.cumsum(queue_cost, axis=1)
-    queue_lead = np.maximum.accumulate(np.where(queued, asked - (queued_sum - queue_cost), 0.0), axis=1)
-    return backward_end, np.where(queued, queued_sum + queue_lead, asked + seconds * sharing)
+    queue_before = np.cumsum(queue_cost, axis=1) - queue_cost
+    queue_end = np.where(queued, asked - queue_before, -np.inf).max(axis=1) + queue_cost.sum(axis=1)
+    backward_end = backward_end + (seconds * sharing).sum(axis=1)
+    return np.maximum(np.maximum(backward_end, queue_end), asked.max(axis=1))
 
 
-def _device_in_order(
-    asked: np.ndarray, seconds: np.ndarray, backward_end: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def _device_in_order(asked: np.ndarray, seconds: np.ndarray, backward_end: np.ndarray) -> np.ndarray:
     """_device_after for asks in any order: one group at a time, as the engine's device does."""
-    done, after = asked.copy(), np.zeros(len(asked))
+    done, after = asked.max(axis=1), np.zeros(len(asked))
     for group in np.flatnonzero(seconds.any(axis=0)):
         t, s = asked[:, group], seconds[:, group]
         sharing = (t < backward_end) & (s > 0)
-        start = np.where(sharing, t, np.maximum(t, after))
-        finish = start + s
+        finish = np.where(sharing, t, np.maximum(t, after)) + s
         backward_end = np.where(sharing, backward_end + s, backward_end)
         after = np.where((s > 0) & ~sharing, finish, after)
-        done[:, group] = np.where(s > 0, finish, t)
-    return backward_end, done
+        done = np.maximum(done, finish)
+    return np.maximum(backward_end, done)
 
 
 class _Threads:
