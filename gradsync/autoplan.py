@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import ddp, profile
 from . import plan as plans
-from .comm import Comm, allgather_object
+from .comm import Comm, allgather_object, forward
 from .config import NO_COMPRESSION, SyncConfig
 from .cost import fit_linear
 from .ddp import SyncState
@@ -402,7 +402,7 @@ class _Probe:
             torch.futures.wait_all(self.shadowed)  # the candidate's whole exchange first, alone
             for k, (buffer, index, out) in enumerate(self.pending):
                 real = self.auto.state.sync(buffer, index, k == len(self.pending) - 1, may_compress=False)
-                real.add_done_callback(_forward_to(out))
+                forward(real, out)
         return result
 
     def seconds(self) -> float:
@@ -427,15 +427,3 @@ class _Copied:
 
     def parameters(self) -> list[torch.Tensor]:
         return self._bucket.parameters()
-
-
-def _forward_to(target: Future) -> Callable[[Future], None]:
-    """A callback completing `target` with its future's value or error."""
-
-    def done(future: Future) -> None:
-        try:
-            target.set_result(future.value())
-        except Exception as error:  # DDP sees the error through the bucket's future
-            target.set_exception(error)
-
-    return done

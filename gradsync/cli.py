@@ -618,6 +618,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`gradsync plan`: one function per mode; each returns the plan and what to say about it."""
     from .registry import parse_spec
 
+    for note in _unused_plan_options(args, parser):
+        print(f"gradsync plan: warning: {note}", file=sys.stderr)
     try:
         name, codec_args = parse_spec(args.compressor, "compressor")
         if args.max_groups < 1:
@@ -638,6 +640,23 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for note in notes:
         print(note, file=sys.stderr)
     return 0
+
+
+# The options only one way of planning reads (argparse dests), and what each way uses instead.
+_SIMULATED_CLUSTER = ("nodes", "gpus_per_node", "device", "inter", "intra", "precision", "batch")
+_MEASURED_RUN = ("world", "steps", "threads", "testbed", "bandwidth", "latency", "no_probe")
+
+
+def _unused_plan_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """A note for each option given a value that the chosen way of planning does not read."""
+    if args.workload:
+        ignored, why = (*_SIMULATED_CLUSTER, "max_groups"), "--workload plans on the real ranks it trains"
+    elif args.profile:
+        ignored, why = _SIMULATED_CLUSTER + _MEASURED_RUN, "--profile plans for the cluster it measured"
+    else:
+        ignored, why = _MEASURED_RUN, "these options are for --workload, which trains on real ranks"
+    given = [dest for dest in ignored if getattr(args, dest) != parser.get_default(dest)]
+    return [f"--{dest.replace('_', '-')} has no effect: {why}" for dest in given]
 
 
 def _plan_simulated(args: argparse.Namespace, name: str, codec_args: dict[str, Any]) -> tuple[Any, list[str]]:

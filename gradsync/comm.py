@@ -3,16 +3,31 @@
 Collectives return torch Futures, so DDP can overlap them with the rest of the backward pass.
 Every rank must issue the same collectives in the same order; gradsync issues them all from the
 thread that runs the DDP hook, in bucket order, and never from a completion callback.
+
+A collective that fails (a peer died, or stalled past the process group's timeout) fails its
+future with a CollectiveError naming it: the error is never dropped, and the buffer, which holds
+nothing meaningful then, is never handed on as a result.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank: a peer died, or stalled past the process group's timeout.
+
+    Raised on every surviving rank, through the future of the exchange that issued it; gradsync
+    adds which bucket or group and which step. The training step must not go on: nothing of
+    this step's exchange reached the gradients.
+    """
 
 
 class Comm(Protocol):
@@ -51,21 +66,37 @@ def allgather_sent_bytes(nbytes: int, world_size: int) -> int:
 
 
 class TorchComm:
-    """Comm over a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+    """Comm over a torch.distributed process group (gloo on CPU, NCCL on GPU).
+
+    Collectives wait as long as the process group's timeout (init_process_group(timeout=...)),
+    then fail with a CollectiveError.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
+    @property
+    def timeout(self) -> timedelta | None:
+        """How long a collective waits for its peers: the timeout the process group was made with
+        (init_process_group(timeout=...)); None where the backend does not say."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        for device in ("cpu", "cuda"):
+            try:
+                return group._get_backend(torch.device(device)).options._timeout
+            except (RuntimeError, AttributeError):
+                continue
+        return None
+
     def allreduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return work.get_future().then(lambda _: tensor)
+        return _outcome(work, "allreduce", tensor, lambda: tensor)
 
     def allgather(self, tensor: torch.Tensor) -> Future[list[torch.Tensor]]:
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, tensor, group=self.group, async_op=True)
-        return work.get_future().then(lambda _: gathered)
+        return _outcome(work, "allgather", tensor, lambda: gathered)
 
     def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Future[list[torch.Tensor]]:
         # One all_to_all_single over the concatenation, cut by split sizes: gloo has no list form.
@@ -73,7 +104,7 @@ class TorchComm:
         recv = send.new_empty(sum(recv_numels))
         send_numels = [part.numel() for part in parts]
         work = dist.all_to_all_single(recv, send, recv_numels, send_numels, group=self.group, async_op=True)
-        return work.get_future().then(lambda _: list(recv.split(recv_numels)))
+        return _outcome(work, "all_to_all", send, lambda: list(recv.split(recv_numels)))
 
     def sendrecv(self, peer: int, send: torch.Tensor, recv_numel: int) -> torch.Tensor:
         recv = send.new_empty(recv_numel)
@@ -83,9 +114,39 @@ class TorchComm:
             ops.append(dist.P2POp(dist.isend, send, peer, self.group))
         if recv_numel:
             ops.append(dist.P2POp(dist.irecv, recv, peer, self.group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+        try:
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+        except RuntimeError as error:
+            raise CollectiveError(_failed("sendrecv", send, error, f" with rank {peer}")) from error
         return recv
+
+
+def _outcome(work: dist.Work, name: str, sent: torch.Tensor, value: Callable[[], Any]) -> Future:
+    """The future of `work`'s result, `value()`, or of a CollectiveError naming the collective.
+
+    The work's own future is read: a failed collective leaves its output untouched (or
+    uninitialised), and must never pass for a result.
+    """
+
+    out: Future = Future(devices=[sent.device] if sent.device.type == "cuda" else None)
+
+    def done(future: Future) -> None:
+        try:
+            future.value()
+        except RuntimeError as error:
+            out.set_exception(CollectiveError(_failed(name, sent, error)))
+        else:
+            out.set_result(value())
+
+    work.get_future().add_done_callback(done)
+    return out
+
+
+def _failed(name: str, sent: torch.Tensor, error: BaseException, where: str = "") -> str:
+    return (
+        f"{name} of {sent.numel()} {str(sent.dtype).removeprefix('torch.')} elements{where} failed: {error}"
+    )
 
 
 class LocalComm:
@@ -93,6 +154,7 @@ class LocalComm:
 
     rank = 0
     world_size = 1
+    timeout = None
 
     def allreduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
         return completed(tensor)
@@ -112,6 +174,38 @@ def completed(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def then(future: Future, fn: Callable[[Any], Any], device: torch.device | None = None) -> Future:
+    """A future of fn(future's value), run when `future` completes.
+
+    Unlike Future.then, an exception (the future's own, or one fn raises) reaches the new future
+    as itself, not wrapped in a message of torch's: errors keep their type and text through any
+    number of steps. `device`: where the value's tensors live, if on a GPU (stream order).
+    """
+    devices = [device] if device is not None and device.type == "cuda" else None
+    out: Future = Future(devices=devices)
+
+    def done(source: Future) -> None:
+        try:
+            out.set_result(fn(source.value()))
+        except BaseException as error:  # the caller's wait() raises it
+            out.set_exception(error)
+
+    future.add_done_callback(done)
+    return out
+
+
+def forward(source: Future, target: Future) -> None:
+    """Complete `target` with `source`'s value or error."""
+
+    def done(future: Future) -> None:
+        try:
+            target.set_result(future.value())
+        except BaseException as error:
+            target.set_exception(error)
+
+    source.add_done_callback(done)
 
 
 def allgather_sizes(comm: Comm, sizes: list[int], device: torch.device) -> list[list[int]]:

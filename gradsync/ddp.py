@@ -7,10 +7,12 @@ a plan (SyncConfig.plan), the steps from the first compressed one on are cut int
 No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
 """
 
+import contextlib
 import json
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from . import compress, exchange, feedback
-from .comm import Comm, TorchComm, allgather_object, allreduce_sent_bytes, completed
+from .comm import CollectiveError, Comm, TorchComm, allgather_object, allreduce_sent_bytes, completed, then
 from .compress import Compressor, lookup
 from .config import AUTO_PLAN, NO_COMPRESSION, SyncConfig, build_codec
 from .feedback import Feedback
@@ -139,9 +141,13 @@ class SyncState:
         step = self._begin(is_last, buffer.device)
         buffer.div_(comm.world_size)  # before compressing: low-precision sums cannot overflow
         strategy = self._strategies[bucket_index] if self.plan is not None and may_compress else None
-        if not self._compresses(buffer, step, may_compress, strategy):
-            return self._sync_uncompressed(buffer, bucket_index, step, may_compress, strategy)
-        return self._sync_compressed(buffer, bucket_index, step, strategy)
+        where = f"{'group' if strategy is not None else 'bucket'} {bucket_index} at step {step}"
+        with self._failures_named(where):
+            if not self._compresses(buffer, step, may_compress, strategy):
+                future = self._sync_uncompressed(buffer, bucket_index, step, may_compress, strategy)
+            else:
+                future = self._sync_compressed(buffer, bucket_index, step, strategy)
+        return self._named(future, where)
 
     def sync_rows(self, grad: torch.Tensor, key: str, is_last: bool) -> Future[torch.Tensor]:
         """Average a sparse COO gradient (nn.Embedding(sparse=True)) over the ranks through
@@ -151,7 +157,8 @@ class SyncState:
         clock = time.perf_counter()
         rows = SparseRows.from_coo(grad)
         rows = rows.like(rows.indices, rows.values / comm.world_size)
-        result = self.sparse.sync(key, rows, comm, step)
+        with self._failures_named(f"sparse gradient {key} at step {step}"):
+            result = self.sparse.sync(key, rows, comm, step)
         total = result.total.rows().to_coo(grad.shape)
         payload_bytes = rows.nnz * (4 + rows.width * rows.values.element_size())
         self._record_uncompressed(step, -1, grad.numel(), payload_bytes, result.bytes_sent, clock, "sparse")
@@ -225,6 +232,41 @@ class SyncState:
             )
         return self.comm
 
+    @contextlib.contextmanager
+    def _failures_named(self, where: str) -> Iterator[None]:
+        """A CollectiveError raised inside, with `where` (which bucket or group, which step) and
+        what to do added."""
+        try:
+            yield
+        except CollectiveError as error:
+            raise self._failure(error, where) from error
+
+    def _named(self, future: Future[torch.Tensor], where: str) -> Future[torch.Tensor]:
+        """`future`, with `where` and what to do added to a CollectiveError it fails with.
+
+        Chained by Future.then, unlike the steps inside: DDP shows an error that reaches it so
+        as "... CollectiveError: <message>", but one set on a future directly as "Unable to cast
+        <message> to Tensor".
+        """
+
+        def check(source: Future[torch.Tensor]) -> torch.Tensor:
+            try:
+                return source.value()
+            except CollectiveError as error:
+                raise self._failure(error, where) from None
+
+        return future.then(check)
+
+    def _failure(self, error: CollectiveError, where: str) -> CollectiveError:
+        timeout = getattr(self.comm, "timeout", None)
+        waited = f", here {timeout}" if timeout is not None else ""
+        return CollectiveError(
+            f"gradsync: {where}: {error}\nA peer rank died, or stalled past the process group's timeout "
+            f"(init_process_group(timeout=...){waited}). This step's gradients were not averaged and must "
+            "not be applied: stop every rank and resume from the last checkpoint (torchrun "
+            "--max-restarts restarts them)."
+        )
+
     def _begin(self, is_last: bool, device: torch.device) -> int:
         """The step this bucket belongs to; counts the step once its last bucket arrives."""
         if not self._ranks_agree:
@@ -248,7 +290,7 @@ class SyncState:
             if segments is not None:
                 return completed(self._sync_segments(buffer, bucket_index, step, segments, strategy))
         future = exchange.start(None, buffer, self._comm())
-        return future.then(lambda f: self._finish(f.value(), step, bucket_index, buffer, None, strategy))
+        return then(future, lambda result: self._finish(result, step, bucket_index, buffer, None, strategy))
 
     def _sync_compressed(
         self, buffer: torch.Tensor, bucket_index: int, step: int, strategy: "Strategy | None"
@@ -279,9 +321,8 @@ class SyncState:
             sparse=route if sparse else None,
             allgather=allgather,
         )
-        return future.then(
-            lambda f: self._finish(f.value(), step, bucket_index, buffer, (point, p), strategy)
-        )
+        compressed = (point, p)
+        return then(future, lambda result: self._finish(result, step, bucket_index, buffer, compressed, strategy))
 
     def _compresses(
         self, buffer: torch.Tensor, step: int, may_compress: bool, strategy: "Strategy | None"

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.futures import Future
 
-from .comm import Comm, allgather_sent_bytes, allgather_sizes, allreduce_sent_bytes, completed
+from .comm import Comm, allgather_sent_bytes, allgather_sizes, allreduce_sent_bytes, completed, then
 from .compress import Compressor, Payload
 from .sparse.result import SparseResult
 from .sparse.rows import SparseRows
@@ -150,12 +150,12 @@ def _check_allgather(codec: Compressor | None, sparse: SparseRoute | None) -> No
 def _plain(x: torch.Tensor, comm: Comm, clock: _Clock) -> Future[Exchanged]:
     nbytes = x.numel() * x.element_size()
 
-    def done(future: Future[torch.Tensor]) -> Exchanged:
+    def done(summed: torch.Tensor) -> Exchanged:
         clock.lap("communicate")
         sent = allreduce_sent_bytes(nbytes, comm.world_size)
-        return Exchanged("plain", future.value(), lambda: x, True, nbytes, sent, clock.seconds)
+        return Exchanged("plain", summed, lambda: x, True, nbytes, sent, clock.seconds)
 
-    return comm.allreduce(x).then(done)
+    return then(comm.allreduce(x), done, x.device)
 
 
 def _allreduce(
@@ -174,16 +174,15 @@ def _allreduce(
     payload_bytes = spent[0] + frame.nbytes - frame.element_size()
     sent = spent[1] + allreduce_sent_bytes(frame.nbytes, comm.world_size)
 
-    def done(future: Future[torch.Tensor]) -> Exchanged:
+    def done(summed_frame: torch.Tensor) -> Exchanged:
         clock.lap("communicate")
-        summed_frame = future.value()
         if summed_frame[-1] != 0 or not _all_finite((summed_frame,)):
             return Exchanged(scheme, None, _not_finite, False, payload_bytes, sent, clock.seconds)
         total, local, subtract_local = decode(_split(summed_frame[:-1], payload))
         clock.lap("decompress")
         return Exchanged(scheme, total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
 
-    return comm.allreduce(frame).then(done)
+    return then(comm.allreduce(frame), done, frame.device)
 
 
 def _vote(
@@ -203,9 +202,8 @@ def _vote(
     sent = allreduce_sent_bytes(frame.nbytes, comm.world_size)
     clock.lap("compress")
 
-    def done(future: Future[torch.Tensor]) -> Exchanged:
+    def done(summed: torch.Tensor) -> Exchanged:
         clock.lap("communicate")
-        summed = future.value()
         if summed[-1] != 0:
             return Exchanged("vote", None, _not_finite, False, words.nbytes, sent, clock.seconds)
         votes_for_plus = unpack_fields(summed[:-1], bits, numel)
@@ -213,7 +211,7 @@ def _vote(
         clock.lap("decompress")
         return Exchanged("vote", total, local, True, words.nbytes, sent, clock.seconds, subtract_local)
 
-    return comm.allreduce(frame).then(done)
+    return then(comm.allreduce(frame), done, frame.device)
 
 
 def _allgather(
@@ -238,9 +236,8 @@ def _allgather(
         frame = torch.cat([frame, frame.new_zeros(longest - frame.numel())])
     sent = allgather_sent_bytes(frame.numel(), comm.world_size)
 
-    def done(future: Future[list[torch.Tensor]]) -> Exchanged:
+    def done(frames: list[torch.Tensor]) -> Exchanged:
         clock.lap("communicate")
-        frames = future.value()
         payloads = [_from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
         flags = [f[sum(_nbytes(layout))] for f, layout in zip(frames, layouts, strict=True)]
         finite = all(flag == 0 for flag in flags) and all(_all_finite(p) for p in payloads)
@@ -255,7 +252,7 @@ def _allgather(
             return Exchanged("allgather", None, _not_finite, False, payload_bytes, sent, clock.seconds)
         return Exchanged("allgather", total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
 
-    return comm.allgather(frame).then(done)
+    return then(comm.allgather(frame), done, frame.device)
 
 
 def _sparse(

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch.futures import Future
 
+from .comm import forward
+
 Sync = Callable[[torch.Tensor, int, bool], Future]  # (flat gradient, group index, ends the step)
 
 
@@ -56,7 +58,7 @@ class Regroup:
             self.check_complete()
         for group in ready:
             part = torch.cat([self._arrived[group][param] for param in self._groups[group]])
-            _forward(self._sync(part, group, is_last and group == ready[-1]), self._results[group])
+            forward(self._sync(part, group, is_last and group == ready[-1]), self._results[group])
 
         def assemble(_: Future) -> torch.Tensor:
             out = torch.empty_like(flat)
@@ -92,15 +94,3 @@ def _spans(params: Sequence[int], numels: Sequence[int]) -> dict[int, tuple[int,
         spans[param] = (offset, offset + numel)
         offset += numel
     return spans
-
-
-def _forward(source: Future, target: Future) -> None:
-    """Complete `target` with `source`'s value or error."""
-
-    def done(future: Future) -> None:
-        try:
-            target.set_result(future.value())
-        except Exception as error:  # the hook's error reaches DDP through every waiting bucket
-            target.set_exception(error)
-
-    source.add_done_callback(done)

@@ -45,9 +45,19 @@ class RankError(AssertionError):
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout_s: float = 90.0
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = 90.0,
+    pg_timeout_s: float | None = None,
+    may_die: Sequence[int] = (),
 ) -> list[Any]:
-    """fn(rank, world_size, *args) on `world_size` spawned gloo ranks; their results in rank order."""
+    """fn(rank, world_size, *args) on `world_size` spawned gloo ranks; their results in rank order.
+
+    `pg_timeout_s`: the process group's timeout (init_process_group(timeout=...)), how long a
+    collective waits for its peers; default `timeout_s`. Ranks in `may_die` may end without a
+    report (a test that kills one): their result is None.
+    """
     __tracebackhide__ = True  # a failure shows the ranks' tracebacks, not this harness
     ctx = mp.get_context("spawn")
     results: queue.Queue = ctx.Queue()
@@ -57,7 +67,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, store.port, timeout_s, tuple(args), results),
+            args=(fn, rank, world_size, store.port, pg_timeout_s or timeout_s, tuple(args), results),
             name=f"gloo-rank-{rank}",
             daemon=True,
         )
@@ -67,37 +77,44 @@ def run_ranks(
     try:
         for proc in procs:
             proc.start()
-        reports = _collect(procs, results, time.monotonic() + timeout_s, timeout_s)
+        reports = _collect(procs, results, time.monotonic() + timeout_s, timeout_s, set(may_die))
     finally:
         # Ranks that reported exit by themselves; after a failure the others are stuck: kill them.
         _stop(procs, grace_s=5.0 if reports is not None else 0.0)
         results.close()
         del store
-    return [reports[rank] for rank in range(world_size)]
+    return [reports.get(rank) for rank in range(world_size)]
 
 
-def _collect(procs: list, results: queue.Queue, deadline: float, timeout_s: float) -> dict[int, Any]:
-    """Every rank's result; RankError as soon as one failed (after a short grace) or on timeout."""
+def _collect(
+    procs: list, results: queue.Queue, deadline: float, timeout_s: float, may_die: set[int]
+) -> dict[int, Any]:
+    """Every rank's result; RankError as soon as one failed (after a short grace) or on timeout.
+    A rank in `may_die` whose process ended without a report counts as done, with no result."""
     __tracebackhide__ = True
     world_size = len(procs)
     done: dict[int, Any] = {}
     errors: dict[int, str] = {}
     exited_at: dict[int, float] = {}  # ranks whose process ended before their report arrived
-    while len(done) + len(errors) < world_size:
+    lost: set[int] = set()
+    while len(done) + len(errors) + len(lost) < world_size:
         now = time.monotonic()
         if now >= deadline:
-            missing = sorted(set(range(world_size)) - set(done) - set(errors))
+            missing = sorted(set(range(world_size)) - set(done) - set(errors) - lost)
             errors.update({r: f"no result within {timeout_s:.0f} s (hung?)" for r in missing})
             break
         try:
             rank, ok, data = results.get(timeout=min(0.2, deadline - now))
         except queue.Empty:
             for rank, proc in enumerate(procs):
-                if proc.exitcode is None or rank in done or rank in errors:
+                if proc.exitcode is None or rank in done or rank in errors or rank in lost:
                     continue
                 # A report sent just before exiting may still be in the pipe: wait a second.
                 if now - exited_at.setdefault(rank, now) > 1.0:
-                    errors[rank] = f"process exited with code {proc.exitcode} without reporting"
+                    if rank in may_die:
+                        lost.add(rank)
+                    else:
+                        errors[rank] = f"process exited with code {proc.exitcode} without reporting"
             continue
         if ok:
             done[rank] = pickle.loads(data)
