@@ -7,8 +7,9 @@ One line on a DDP model compresses its gradients with error feedback:
 """
 
 from . import compress, feedback
+from .api import register
 from .config import SyncConfig
-from .ddp import SyncState, hook, register
+from .ddp import SyncState, hook
 
 __version__ = "0.1.0"
 

@@ -508,8 +508,8 @@ def _add_simulate(commands: argparse._SubParsersAction) -> argparse.ArgumentPars
         "--strategy",
         action="append",
         default=[],
-        help="comma-separated, repeatable: fp32, fp16, topk:ratio=0.01, qsgd:exchange=hierarchical, "
-        "fp32:exchange=sparse, dgc:on=cpu ... (default fp32,fp16,topk:ratio=0.01)",
+        help="comma-separated, repeatable: none, fp16, topk:ratio=0.01, qsgd:collective=two-level, "
+        "none:scheme=auto, dgc:on=cpu ... (default none,fp16,topk:ratio=0.01)",
     )
     sim.add_argument(
         "--groups", default="ddp", help="ddp (25 MiB buckets), layerwise, single, or a number of equal groups"
@@ -526,14 +526,14 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from .sim import cluster, compute, engine, models, report
 
-    texts = [s.strip() for item in args.strategy or ["fp32,fp16,topk:ratio=0.01"] for s in item.split(",")]
+    texts = [s.strip() for item in args.strategy or ["none,fp16,topk:ratio=0.01"] for s in item.split(",")]
     try:
         if args.profile:
             from .profile import Profile
 
             profile = Profile.load(args.profile)
-            work = compute.from_profile(profile)
-            where = cluster.from_profile(profile)
+            work = profile.compute()
+            where = profile.cluster()
         else:
             where = cluster.cluster(
                 args.nodes, args.gpus_per_node, args.device, args.inter, args.intra, args.precision
@@ -660,14 +660,14 @@ def _unused_plan_options(args: argparse.Namespace, parser: argparse.ArgumentPars
 
 
 def _plan_simulated(args: argparse.Namespace, name: str, codec_args: dict[str, Any]) -> tuple[Any, list[str]]:
-    from . import plan as plans
+    from . import autoplan
     from .sim import cluster, compute, models
 
     if args.profile:
         from .profile import Profile
 
         profile = Profile.load(args.profile)
-        work, where = compute.from_profile(profile), cluster.from_profile(profile)
+        work, where = profile.compute(), profile.cluster()
         params, model = [t.index for t in profile.tensors], f"profile:{work.name}"
     else:
         where = cluster.cluster(
@@ -677,8 +677,8 @@ def _plan_simulated(args: argparse.Namespace, name: str, codec_args: dict[str, A
             models.build(args.model or "bert-base"), where.device, args.precision, args.batch
         )
         params, model = None, f"sim:{work.name}"
-    compressor = None if name in ("none", "fp32") else name
-    made = plans.make(work, where, compressor, codec_args, model, params, args.max_groups)
+    compressor = None if name == "none" else name
+    made = autoplan.make(work, where, compressor, codec_args, model, params, args.max_groups)
     meta = made.meta
     notes = [
         f"{work.name}: {work.num_params:,} parameters on {where.describe()}; searched "

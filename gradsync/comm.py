@@ -1,8 +1,10 @@
 """Comm: the collectives gradsync needs, over a torch.distributed group or a world of one.
 
 Collectives return torch Futures, so DDP can overlap them with the rest of the backward pass.
-Every rank must issue the same collectives in the same order; gradsync issues them all from the
-thread that runs the DDP hook, in bucket order, and never from a completion callback.
+Every rank must issue the same collectives in the same order. gradsync issues them through a Lane:
+in the order the hook asked for them, on the hook's thread where nothing waits, or on the lane's
+own thread where an exchange must wait for one collective before it can issue the next (PowerSGD's
+rounds, a size exchange, the sparse schemes), so that the backward pass never waits for it.
 
 A collective that fails (a peer died, or stalled past the process group's timeout) fails its
 future with a CollectiveError naming it: the error is never dropped, and the buffer, which holds
@@ -12,6 +14,8 @@ nothing meaningful then, is never handed on as a result.
 from __future__ import annotations
 
 import pickle
+import threading
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -55,12 +59,12 @@ class Comm(Protocol):
         ...
 
 
-def allreduce_sent_bytes(nbytes: int, world_size: int) -> int:
+def allreduce_sent_nbytes(nbytes: int, world_size: int) -> int:
     """Bytes each rank sends in a bandwidth-optimal (ring) allreduce of `nbytes`: 2(n-1)/n m."""
     return 2 * (world_size - 1) * nbytes // world_size
 
 
-def allgather_sent_bytes(nbytes: int, world_size: int) -> int:
+def allgather_sent_nbytes(nbytes: int, world_size: int) -> int:
     """Bytes each rank sends in a ring allgather of `nbytes` per rank: (n-1) m."""
     return (world_size - 1) * nbytes
 
@@ -231,3 +235,95 @@ def allgather_object(comm: Comm, obj: Any, device: torch.device) -> list[Any]:
     """Every rank's picklable object, in rank order. Blocks; meant for rare checks, not for steps."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     return [pickle.loads(chunk.cpu().numpy().tobytes()) for chunk in allgather_bytes(comm, data)]
+
+
+class Lane:
+    """Issues a SyncState's exchanges in the order they were asked for, on every rank alike.
+
+    An exchange is a program: a function that issues its collectives and returns the future of
+    its result. A program that never waits runs at once, on the caller's thread, when nothing is
+    queued; one that waits for a collective before issuing the next (blocking) runs on the lane's
+    own thread, and every program asked for after it queues behind it. So the caller (DDP's
+    backward pass) never waits, and the collectives go out in the same order on every rank.
+
+    drain() returns once every program asked for has issued all its collectives: the hook calls it
+    at a step's last bucket, so nothing of gradsync is still being issued when DDP or the user
+    issue collectives of their own. After a program fails, every later one fails with its error:
+    its peers are gone, and waiting for each collective's timeout in turn would only delay the
+    error.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[Callable[[], Future], Future]] = deque()
+        self._busy = False
+        self._failed: BaseException | None = None
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def run(
+        self, program: Callable[[], Future], blocking: bool, device: torch.device | None = None
+    ) -> Future:
+        """The future of `program`'s result, issued after every program asked for before it."""
+        with self._changed:
+            inline = not blocking and not self._queue and not self._busy
+            if inline:
+                self._busy = True
+            else:
+                out: Future = Future(
+                    devices=[device] if device is not None and device.type == "cuda" else None
+                )
+                self._queue.append((program, out))
+                self._start()
+                self._changed.notify_all()
+        if not inline:
+            return out
+        try:
+            return self._issue(program)
+        finally:
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every program asked for so far has issued its collectives."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._queue and not self._busy)
+
+    def _issue(self, program: Callable[[], Future]) -> Future:
+        if self._failed is not None:
+            raise self._failed
+        try:
+            return program()
+        except BaseException as error:
+            self._failed = error
+            raise
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._serve, name="gradsync-lane", daemon=True)
+            self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                if not self._changed.wait_for(lambda: self._queue and not self._busy, timeout=60.0):
+                    if not self._queue:
+                        self._thread = None  # idle for a minute: a later program starts a new one
+                        return
+                    continue
+                program, out = self._queue.popleft()
+                self._busy = True
+            try:
+                forward(self._issue(program), out)
+            except BaseException as error:
+                out.set_exception(error)
+            finally:
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]

@@ -5,19 +5,30 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import compress, feedback, sparse
 from .compress.base import check_int
-
-if TYPE_CHECKING:
-    from .plan import Plan
+from .strategy import NONE as NO_COMPRESSION
+from .strategy import Strategy
 
 _SEED_BOUND = 2**63 - 1
-NO_COMPRESSION = "none"
-AUTO_PLAN = "auto"  # SyncConfig(plan="auto"): gradsync makes the plan itself (gradsync.autoplan)
+AUTO_PLAN = "auto"  # SyncConfig(plan="auto"): gradsync makes the plan itself (gradsync.tuner)
+
+
+class PlanLike(Protocol):
+    """What the runtime reads of a plan (gradsync.plan.Plan): its groups' parameters and
+    strategies, and its dict for a checkpoint. The runtime never imports the plans layer."""
+
+    @property
+    def groups(self) -> Sequence[Any]: ...
+
+    @property
+    def strategies(self) -> list[Strategy]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -55,17 +66,17 @@ class SyncConfig:
     # How sparse data is exchanged (gradsync.sparse): sparse gradients (nn.Embedding(sparse=True)),
     # the payloads of sparsifying compressors (topk, dgc, threshold) and uncompressed buckets.
     # "auto": per tensor, the scheme of least predicted time from measured density, overlap and
-    # densification; or one of "dense", "agsparse", "balanced", "hierarchical" for every tensor.
+    # densification; or one of "dense", "agsparse", "balanced", "recursive-doubling" for every tensor.
     sparse_scheme: str = "auto"
     # Steps between two measurements of a tensor by the "auto" selector.
     sparse_every: int = 100
     # Per-group strategies (gradsync.plan.Plan): from the first compressed step on, the hook cuts
-    # the gradients into the plan's groups and exchanges each by its own strategy (codec and
-    # collective); warm-up steps stay fp32 on DDP's buckets. A Plan, the path of a plan file
-    # (read and checked here, so a bad file fails now), a plan's dict as to_dict() writes it, or
-    # "auto" (gradsync makes the plan). None: `compressor` on every DDP bucket. Kept as the Plan.
-    # Not hashed: a plan holds dicts; configs that differ only by plan still compare unequal.
-    plan: Plan | str | None = field(default=None, hash=False)
+    # the gradients into the plan's groups and exchanges each by its own strategy (codec,
+    # collective, sparse scheme); warm-up steps stay uncompressed on DDP's buckets. A Plan, the
+    # path of a plan file, a plan's dict as to_dict() writes it (both read and checked by
+    # register(), before training), or "auto" (gradsync makes the plan in the first steps). None:
+    # `compressor` on every DDP bucket. Not hashed: a plan holds dicts.
+    plan: PlanLike | Mapping[str, Any] | str | os.PathLike | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if "seed" in self.compressor_args:
@@ -76,7 +87,7 @@ class SyncConfig:
         # Frozen copies, so that a config cannot change after it was validated.
         object.__setattr__(self, "compressor_args", ReadOnlyDict(self.compressor_args))
         object.__setattr__(self, "error_feedback_args", ReadOnlyDict(self.error_feedback_args))
-        object.__setattr__(self, "plan", _read_plan(self.plan))
+        object.__setattr__(self, "plan", _plan_value(self.plan))
         if self.compressor == NO_COMPRESSION:
             if self.compressor_args:
                 raise ValueError(
@@ -86,10 +97,14 @@ class SyncConfig:
         else:
             # Built even where a plan decides the codecs: a misspelt compressor should not pass.
             compress.build(self.compressor, **self.compressor_args)
-        codecs = self._codecs()
-        if not codecs:
+        if self.plan is None and self.compressor == NO_COMPRESSION:
             self._check_nothing_compressed()
-        for name in codecs:
+        elif self.planned and not self._codecs() and self.error_feedback not in ("auto", "none"):
+            warnings.warn(
+                f"error_feedback={self.error_feedback!r} has no effect: the plan compresses no group",
+                stacklevel=3,
+            )
+        for name in self._codecs():
             self._check_feedback(name)
             feedback.build(self.feedback_for(name), **self.error_feedback_args)
         check_int("warmup_steps", self.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
@@ -125,19 +140,23 @@ class SyncConfig:
         """A fresh error-feedback form for the codec named `codec` (default: `compressor`)."""
         return feedback.build(self.feedback_for(codec or self.compressor), **self.error_feedback_args)
 
+    @property
+    def planned(self) -> bool:
+        """Whether `plan` holds a plan read already (not a file, a dict, "auto" or None)."""
+        return hasattr(self.plan, "strategies")
+
     def _codecs(self) -> list[str]:
-        """The codecs compression may use: the plan's (each once, in group order), else the compressor."""
-        if self.plan is not None and self.plan != AUTO_PLAN:
-            return list(dict.fromkeys(s.codec for s in self.plan.strategies if s.compressed))
+        """The codecs compression may use: a read plan's (each once, in group order), else the
+        compressor (a plan still to be read or made is checked by register())."""
+        if self.planned:
+            return list(dict.fromkeys(s.codec for s in self.plan.strategies if s.compressed))  # type: ignore[union-attr]
         return [] if self.compressor == NO_COMPRESSION else [self.compressor]
 
     def _check_nothing_compressed(self) -> None:
         if self.error_feedback not in ("auto", "none") or self.error_feedback_args:
-            planned = self.plan is not None and self.plan != AUTO_PLAN
-            where = "the plan compresses no group" if planned else "compressor='none'"
             raise ValueError(
-                f"error_feedback={self.error_feedback!r} given, but {where}: nothing is lost without "
-                "compression, so there is no error to feed back; leave it at 'auto'"
+                f"error_feedback={self.error_feedback!r} given, but compressor='none': nothing is lost "
+                "without compression, so there is no error to feed back; leave it at 'auto'"
             )
 
     def _check_feedback(self, name: str) -> None:
@@ -176,8 +195,10 @@ class SyncConfig:
             for f in fields(self)
             for value in [getattr(self, f.name)]
         }
-        if self.plan is not None and self.plan != AUTO_PLAN:
-            out["plan"] = self.plan.to_dict()
+        if self.planned:
+            out["plan"] = self.plan.to_dict()  # type: ignore[union-attr]
+        elif isinstance(self.plan, os.PathLike):
+            out["plan"] = os.fspath(self.plan)
         return out
 
     def fingerprint(self) -> str:
@@ -193,32 +214,16 @@ def build_codec(name: str, args: Mapping[str, Any], seed: int) -> compress.Compr
     return compress.build(name, **args)
 
 
-def _read_plan(value: Any) -> Plan | str | None:
-    """The plan `value` names, read and parsed: a Plan, or None, or "auto" as they are."""
-    if value is None or (isinstance(value, str) and value == AUTO_PLAN):
+def _plan_value(value: Any) -> Any:
+    """`value` as SyncConfig keeps it: None, "auto", a path, a read-only dict or a plan; or TypeError."""
+    if value is None or isinstance(value, (str, os.PathLike)) or hasattr(value, "strategies"):
         return value
-    # Imported here: gradsync.plan imports the simulator, which imports this module.
-    from .plan import Plan
-
-    if isinstance(value, Plan):
-        plan = value
-    elif isinstance(value, Mapping):
-        plan = Plan.from_dict(value)
-    elif isinstance(value, (str, os.PathLike)):
-        plan = Plan.load(value)  # ValueError naming the file and what is wrong with it
-    else:
-        raise TypeError(
-            f"plan={value!r} is a {type(value).__name__}; give a gradsync.plan.Plan, the path of a plan "
-            f"file (`gradsync plan` writes one), or {AUTO_PLAN!r}"
-        )
-    for index, strategy in enumerate(plan.strategies):
-        if "seed" in dict(strategy.args):
-            raise ValueError(
-                f"plan group {index} has strategy {plan.groups[index].strategy!r}, which sets seed; drop "
-                "it and set SyncConfig(seed=...) instead: gradsync derives each group's seed from it so "
-                "that ranks agree"
-            )
-    return plan
+    if isinstance(value, Mapping):
+        return ReadOnlyDict(value)
+    raise TypeError(
+        f"plan={value!r} is a {type(value).__name__}; give a gradsync.plan.Plan, the path of a plan "
+        f"file (`gradsync plan` writes one), a plan's dict, or {AUTO_PLAN!r}"
+    )
 
 
 class ReadOnlyDict(dict):

@@ -33,7 +33,7 @@ because the planner only compares schemes under one model:
 - pipelined algorithms (tree, variable-size allgather) move data in chunks small next to S, so the
   pipeline's fill time and the per-chunk alphas are left out; only the busiest link's bytes count.
 A Link is ONE rank's share of its wire: where g ranks of a node cross one NIC at once, as the
-hierarchical collectives' inter-node step does, pass Link(alpha, nic_Bps / g).
+hierarchical collectives' inter-node step does, pass Link(alpha, nic_bytes_per_s / g).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Link:
-    """One rank's link: alpha_s = seconds per message (latency), bandwidth_Bps = bytes/s one way."""
+    """One rank's link: alpha_s = seconds per message (latency), bytes_per_s = bytes/s one way."""
 
     alpha_s: float  # seconds per message, before its first byte arrives
-    bandwidth_Bps: float  # bytes per second, one way; the link is full duplex
+    bytes_per_s: float  # bytes per second, one way; the link is full duplex
 
     def __post_init__(self) -> None:
         # `not (x >= 0)` rather than `x < 0`: NaN fails it too.
@@ -59,15 +59,15 @@ class Link:
                 f"Link(alpha_s={self.alpha_s!r}): must be >= 0 seconds per message; "
                 "e.g. 25e-6 for TCP between nodes, 5e-6 within one"
             )
-        if not self.bandwidth_Bps > 0:
+        if not self.bytes_per_s > 0:
             raise ValueError(
-                f"Link(bandwidth_Bps={self.bandwidth_Bps!r}): must be > 0 bytes per second; "
+                f"Link(bytes_per_s={self.bytes_per_s!r}): must be > 0 bytes per second; "
                 "e.g. 25e9 / 8 for 25 Gbit/s"
             )
 
     def transfer_s(self, nbytes: float) -> float:
         """One message of nbytes: alpha + nbytes / B."""
-        return self.alpha_s + nbytes / self.bandwidth_Bps
+        return self.alpha_s + nbytes / self.bytes_per_s
 
 
 def _check_count(value: int, name: str) -> None:
@@ -86,7 +86,7 @@ def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     _check_count(n, "n")
     if n == 1:
         return 0.0
-    return 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * nbytes / link.bandwidth_Bps
+    return 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * nbytes / link.bytes_per_s
 
 
 def tree_allreduce_s(nbytes: float, n: int, link: Link) -> float:
@@ -103,7 +103,7 @@ def tree_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     if n == 1:
         return 0.0
     depth = int(n - 1).bit_length()  # ceil(log2 n), exact in integers
-    return 2 * depth * link.alpha_s + 2 * nbytes / link.bandwidth_Bps
+    return 2 * depth * link.alpha_s + 2 * nbytes / link.bytes_per_s
 
 
 def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
@@ -112,7 +112,7 @@ def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
     _check_count(n, "n")
     if n == 1:
         return 0.0
-    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes / link.bandwidth_Bps
+    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes / link.bytes_per_s
 
 
 def allgather_s(sizes: Sequence[float], link: Link) -> float:
@@ -131,14 +131,14 @@ def allgather_s(sizes: Sequence[float], link: Link) -> float:
     _check_nbytes(smallest, "min(sizes)")
     if n == 1:
         return 0.0
-    return (n - 1) * link.alpha_s + (sum(sizes) - smallest) / link.bandwidth_Bps
+    return (n - 1) * link.alpha_s + (sum(sizes) - smallest) / link.bytes_per_s
 
 
 def allgather_equal_s(nbytes: float, n: int, link: Link) -> float:
     """Ring allgather of n blocks of nbytes each: (n-1)(alpha + S / B)."""
     _check_nbytes(nbytes)
     _check_count(n, "n")
-    return (n - 1) * (link.alpha_s + nbytes / link.bandwidth_Bps)
+    return (n - 1) * (link.alpha_s + nbytes / link.bytes_per_s)
 
 
 def all_to_all_s(send_nbytes: Sequence[Sequence[float]], link: Link) -> float:
@@ -162,14 +162,14 @@ def all_to_all_s(send_nbytes: Sequence[Sequence[float]], link: Link) -> float:
         largest = max(send_nbytes[i][(i + k) % n] for i in range(n))
         _check_nbytes(largest, f"send_nbytes (largest of round {k})")
         bytes_on_wire += largest
-    return (n - 1) * link.alpha_s + bytes_on_wire / link.bandwidth_Bps
+    return (n - 1) * link.alpha_s + bytes_on_wire / link.bytes_per_s
 
 
 def all_to_all_uniform_s(nbytes: float, n: int, link: Link) -> float:
     """All-to-all where each rank splits nbytes evenly over the n ranks: (n-1)(alpha + S / (n B))."""
     _check_nbytes(nbytes)
     _check_count(n, "n")
-    return (n - 1) * (link.alpha_s + nbytes / (n * link.bandwidth_Bps))
+    return (n - 1) * (link.alpha_s + nbytes / (n * link.bytes_per_s))
 
 
 def reduce_scatter_allgather_s(nbytes: float, n: int, link: Link) -> float:
@@ -210,9 +210,9 @@ def parameter_server_s(
         if workers == 1:
             return 0.0
         share = (workers - 1) / workers
-        return 2 * link.alpha_s + share * (nbytes + pull) / link.bandwidth_Bps
+        return 2 * link.alpha_s + share * (nbytes + pull) / link.bytes_per_s
     fan_in = max(1.0, workers / servers)  # bytes through the busiest link per byte a worker sends
-    return 2 * link.alpha_s + fan_in * (nbytes + pull) / link.bandwidth_Bps
+    return 2 * link.alpha_s + fan_in * (nbytes + pull) / link.bytes_per_s
 
 
 def hierarchical_allreduce_s(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:

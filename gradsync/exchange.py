@@ -1,61 +1,63 @@
-"""Exchange: from one rank's tensor to the decoded sum over all ranks.
+"""Exchange: every collective of a step, from one rank's tensor to the decoded sum over ranks.
 
-The scheme follows the compressor's declared capabilities:
-  allreduce  summable payloads: one allreduce of the payload tensors concatenated (one dtype).
-  allgather  any other payload, or a summable one when the caller asks (a plan's
-             exchange=allgather): one allgather of each rank's payload bytes; codecs whose payload
+How a group's tensor travels follows its codec's declared capabilities and its strategy:
+  allreduce  no codec: the tensor itself, in place. Summable payloads (casts, randk): one
+             allreduce of the payload. Multi-round codecs (PowerSGD): one allreduce per round.
+             Majority votes (signSGD, Signum): each rank's sign bits become 0/1 votes in fields of
+             ceil(log2(n + 1)) bits packed into int32 words, one int32 allreduce sums every field
+             at once, and the result is sign(2 * votes - n): +1, -1 or 0 on a tie.
+  allgather  any other payload: one allgather of each rank's payload bytes; codecs whose payload
              size varies from rank to rank exchange their sizes first.
-  rounds     multi-round summable codecs (PowerSGD): one allreduce per round.
-  vote       majority-vote codecs (signSGD, Signum): each rank's sign bits become 0/1 votes in
-             fields of ceil(log2(n + 1)) bits packed into int32 words, one int32 allreduce sums
-             every field at once, and the result is sign(2 * votes - n): +1, -1 or 0 on a tie.
-  sparse     codecs whose payload is sparse rows (top-k, DGC, threshold), when the caller passes
-             a `sparse` route: the rows go to gradsync.sparse, whose scheme (agsparse, Zen's
-             balanced, hierarchical, dense) the route picks.
-  plain      no codec: the tensor itself is allreduced (warm-up steps, small buckets).
+  a sparse scheme (gradsync.sparse, through the state's Router): a sparsifier's payload (top-k,
+             DGC, threshold) as rows of width 1 where the strategy names a scheme; and the rows
+             of an uncompressed group's embedding tables, each by the router's choice, its other
+             tensors in allreduces between them.
 
-Every rank decodes the payloads in rank order into a zeroed tensor (fresh, or the caller's
-`out`), so the sum is bit-identical on every rank. The callers pre-divide by the world size, so
-the sum is the average.
+An exchange is issued through the state's Lane: at once where it never waits, on the lane's
+thread where it must wait for one collective before issuing the next (multi-round codecs, size
+exchanges, the sparse schemes). Either way the caller gets a future at once.
 
-Non-finite gradients: a rank whose tensor is not finite compresses zeros instead, so its codec
-state stays in step with the other ranks, and raises a flag: every frame ends in one element
-(one byte for allgather) that is 0 on ranks whose input was finite. Summed or gathered, it tells
-every rank that the step is non-finite; so does any non-finite value in a float payload (an fp16
-overflow), so a non-finite decode never reaches error feedback.
+Every rank decodes the payloads in rank order (or from one sum), so the result is bit-identical
+on every rank. Callers divide by the world size first, so the sum is the average.
+
+Non-finite gradients, where the caller guards (a compressed group: error memories and codec state
+must never take them in): a rank whose tensor is not finite compresses zeros instead, so its codec
+state stays in step with the other ranks, and tells the others: an allreduced float payload
+carries a NaN (the sum is then NaN everywhere), other frames end in a flag. So does any non-finite
+value in a payload (an fp16 overflow). Every rank then sees `finite` False.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.futures import Future
 
-from .comm import Comm, allgather_sent_bytes, allgather_sizes, allreduce_sent_bytes, completed, then
+from .comm import Comm, Lane, allgather_sent_nbytes, allgather_sizes, allreduce_sent_nbytes, completed, then
 from .compress import Compressor, Payload
-from .sparse.result import SparseResult
+from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
+from .strategy import sums
 from .wire import decode_indices, field_bits, pack_fields, unpack_bits, unpack_fields
 
 Local = Callable[[], torch.Tensor]
 RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
-SCHEMES = ("plain", "allreduce", "allgather", "rounds", "vote", "sparse")
-SparseRoute = Callable[[SparseRows, bool], SparseResult]  # (this rank's rows, finite) -> the sum
 
 
 @dataclass
 class Exchanged:
     """The outcome of one exchange, as seen by one rank."""
 
-    scheme: str  # the scheme that ran: one of SCHEMES
+    collective: str  # "allreduce" or "allgather": how the payloads combined
+    scheme: str | None  # the sparse scheme that carried rows, if any
     total: torch.Tensor | None  # decoded sum over ranks, same bits on every rank; None if not finite
     local: Local  # this rank's own decoded payload, for error feedback
     finite: bool  # False when any rank's input was not finite
-    payload_bytes: int  # bytes of this rank's payload as exchanged (votes: the count fields), all rounds
-    bytes_sent: int  # bytes this rank sends over its links (ring algorithms), flags and padding included
+    payload_nbytes: int  # this rank's payload as exchanged (votes: the count fields), all rounds
+    sent_nbytes: int  # bytes this rank sends over its links (ring algorithms), flags and padding included
     seconds: dict[str, float] = field(default_factory=dict)  # compress, communicate, decompress
     # t -= local() in place, by the codec's sub_decoded_ (sparse codecs touch only what they sent);
     # None where the payload is decoded only as a whole (multi-round codecs): local() is subtracted.
@@ -65,252 +67,352 @@ class Exchanged:
         """t -= local(), in place, the same bits as t - local(); returns t.
 
         Where t is the tensor that was compressed, call local() before, not after: a payload may
-        be a view of its input (identity), and would then change with it.
+        be a view of its input (the "none" codec), and would then change with it.
         """
         if self.subtract_local is None:
             return t.sub_(self.local())
         return self.subtract_local(t)
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where and how one exchange runs: the state's collectives, lane and sparse router. A
+    SyncState passes its own; Route(comm) alone is a fresh lane and an "auto" router."""
+
+    comm: Comm
+    lane: Lane = field(default_factory=Lane)
+    router: Router = field(default_factory=lambda: Router("auto", every=100, seed=0))
+    key: str = "tensor"  # the router's name for the group ("group 3", "bucket 1"): its scheme choices
+    step: int = 0
+
+
+def uncompressed(
+    x: torch.Tensor, route: Route, tables: Sequence[Table] = (), scheme: str | None = None
+) -> Future[Exchanged]:
+    """Sum `x` over the ranks, in place: one allreduce, or, where `tables` name embedding tables
+    in it (at their offsets, ascending), their rows by sparse `scheme` ("auto" or None: the
+    router's choice) and the tensors between them allreduced."""
+    if not tables:
+        return route.lane.run(lambda: _plain(x, route.comm), blocking=False, device=x.device)
+    return route.lane.run(lambda: _tables(x, tables, route, scheme), blocking=True, device=x.device)
+
+
 def start(
-    codec: Compressor | None,
+    codec: Compressor,
     x: torch.Tensor,
-    comm: Comm,
+    route: Route,
+    collective: str | None = None,
+    scheme: str | None = None,
     finite: bool = True,
     out: torch.Tensor | None = None,
-    sparse: SparseRoute | None = None,
-    allgather: bool = False,
+    keep_local: bool = True,
 ) -> Future[Exchanged]:
-    """Compress `x`, launch its exchange and return a future of the result.
+    """Compress `x`, exchange the payload as `collective` (or, for a sparsifier, by sparse `scheme`)
+    and return a future of the decoded sum. By default the collective is allreduce where ranks sum
+    the codec's payloads (summable, multi-round, votes), else allgather.
 
-    Collectives are launched before returning (blocking only where a second collective depends on
-    the first), so all ranks issue them in the same order; decoding runs when the data arrives.
-    `codec=None` allreduces `x` itself, in place. `out` (shaped like `x`, sharing no memory with
-    it) is where the allgather scheme decodes the sum, which is then `out` itself, instead of a
-    fresh tensor; the other schemes take the sum from the collective's own buffer and ignore it.
-    `sparse` exchanges the payloads of sparse-row codecs (declared `sparse_rows`) instead of the
-    allgather; the sum is then written into `out` too. `allgather` takes the allgather scheme
-    whatever the codec's other capabilities (summable, sparse rows); codecs without a decode per
-    payload (see can_allgather) refuse it.
+    `finite` False: this rank's `x` is not finite; it sends zeros and tells the others. `out`
+    (shaped like `x`, sharing no memory with it) receives the sum instead of a fresh tensor, except
+    for multi-round codecs, which decode as a whole. `keep_local` False promises that the
+    caller never asks for its own decoded payload (no error feedback), so a summable payload is
+    allreduced in place.
     """
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
             f"out is {out.dtype} {tuple(out.shape)} on {out.device} but x is {x.dtype} {tuple(x.shape)} "
             f"on {x.device}: the sum is decoded into out, so it must match x"
         )
-    if allgather:
-        _check_allgather(codec, sparse)
-    clock = _Clock()
-    if codec is None:
-        return _plain(x, comm, clock)
-    if codec.rounds > 1:
-        return _rounds(codec, x, comm, finite, clock)
-    payload, ctx = codec.compress(x if finite else torch.zeros_like(x))
-    clock.lap("compress")
-
-    def local() -> torch.Tensor:
-        return codec.decompress(payload, ctx)
-
-    def subtract_local(t: torch.Tensor) -> torch.Tensor:
-        codec.sub_decoded_(t, payload, ctx)
-        return t
-
-    def decode_summed(summed: Payload) -> tuple[torch.Tensor, Local, RemoveLocal]:
-        return codec.decompress(summed, ctx), local, subtract_local
-
-    if type(codec).majority_vote:
-        return _vote(payload, x, comm, finite, clock, local, subtract_local)
-    if type(codec).summable and not allgather:
-        return _allreduce(payload, comm, finite, clock, decode_summed)
-    if type(codec).sparse_rows and sparse is not None:
-        return _sparse(payload, x, finite, clock, local, subtract_local, out, sparse)
-    return _allgather(codec, payload, ctx, x, comm, finite, clock, local, subtract_local, out)
-
-
-def can_allgather(codec: Compressor) -> bool:
-    """Whether `codec`'s payloads can be allgathered and decoded one by one into the sum.
-
-    Not so for multi-round codecs (PowerSGD: each round's sum feeds the next) and majority votes
-    (signSGD: the ranks' signs combine by vote, not by sum); they always take their own scheme.
-    """
-    return codec.rounds == 1 and not type(codec).majority_vote
-
-
-def _check_allgather(codec: Compressor | None, sparse: SparseRoute | None) -> None:
-    if codec is None or not can_allgather(codec) or sparse is not None:
-        what = "no codec" if codec is None else type(codec).__name__
-        what += " and a sparse route" if sparse is not None else ""
+    kind = type(codec)
+    collective = collective or ("allreduce" if sums(kind) else "allgather")
+    if collective == "allgather" and (kind.rounds > 1 or kind.majority_vote):
         raise ValueError(
-            f"allgather=True with {what}: the allgather scheme decodes each rank's payload on its own, "
-            "which needs a single-round codec that is not a majority vote, and no sparse route; "
-            "drop allgather=True (or the sparse route)"
+            f"collective='allgather' for {kind.__name__}, which combines ranks by allreduces of its own "
+            "(rounds or a vote), not by decoding each rank's payload; leave the collective to the codec"
         )
+    source = x if finite else torch.zeros_like(x)
+    if kind.rounds > 1:
+        return route.lane.run(
+            lambda: _rounds(codec, source, route.comm, finite), blocking=True, device=x.device
+        )
+    if scheme is not None:
+        if not kind.sparse_rows:
+            raise ValueError(f"scheme={scheme!r} for {kind.__name__}, whose payload is not sparse rows")
+        return route.lane.run(lambda: _sparse(codec, source, route, scheme, finite, out), blocking=True)
+    if kind.majority_vote:
+        return route.lane.run(lambda: _vote(codec, source, route.comm, finite), blocking=False)
+    if collective == "allreduce":
+        if not kind.summable:
+            raise ValueError(f"collective='allreduce' for {kind.__name__}, whose payloads are not summable")
+        program = lambda: _allreduce(codec, source, route.comm, finite, keep_local, out)  # noqa: E731
+        return route.lane.run(program, blocking=False, device=x.device)
+    if collective != "allgather":
+        raise ValueError(
+            f"collective={collective!r} is not run by gradsync's hook; use allreduce or allgather"
+        )
+    blocking = not kind.fixed_size  # sizes first, then the payloads
+    return route.lane.run(lambda: _allgather(codec, source, route.comm, finite, out), blocking=blocking)
 
 
-def _plain(x: torch.Tensor, comm: Comm, clock: _Clock) -> Future[Exchanged]:
+# -- the programs: each issues its collectives and returns the future of the result ---------------
+
+
+def _plain(x: torch.Tensor, comm: Comm) -> Future[Exchanged]:
     nbytes = x.numel() * x.element_size()
+    clock = _Clock()
 
     def done(summed: torch.Tensor) -> Exchanged:
         clock.lap("communicate")
-        sent = allreduce_sent_bytes(nbytes, comm.world_size)
-        return Exchanged("plain", summed, lambda: x, True, nbytes, sent, clock.seconds)
+        sent = allreduce_sent_nbytes(nbytes, comm.world_size)
+        return Exchanged("allreduce", None, summed, lambda: x, True, nbytes, sent, clock.seconds)
 
     return then(comm.allreduce(x), done, x.device)
 
 
-def _allreduce(
-    payload: Payload,
-    comm: Comm,
-    finite: bool,
-    clock: _Clock,
-    decode: Callable[[Payload], tuple[torch.Tensor, Local, RemoveLocal | None]],
-    spent: tuple[int, int] = (0, 0),
-    scheme: str = "allreduce",
-) -> Future[Exchanged]:
-    """Sum the payload over ranks; `decode` turns the summed payload into (total, local,
-    subtract_local). `spent`: bytes (payload, sent) of earlier rounds of `scheme`."""
-    # The frame is a copy: error feedback decodes the unsummed payload after the exchange.
-    frame = _framed([t.reshape(-1) for t in payload], finite)
-    payload_bytes = spent[0] + frame.nbytes - frame.element_size()
-    sent = spent[1] + allreduce_sent_bytes(frame.nbytes, comm.world_size)
+def _tables(x: torch.Tensor, tables: Sequence[Table], route: Route, scheme: str | None) -> Future[Exchanged]:
+    """Runs of dense tensors by one allreduce each, embedding tables by the router's schemes."""
+    comm, router = route.comm, route.router
+    clock = _Clock()
+    flat = x.view(-1)
+    sparse = router.choose_tables(tables, flat, comm, route.step, scheme)
+    pending: list[Future] = []
+    sent, start = 0, 0
+    for table, by_rows in [*zip(tables, sparse, strict=True), (None, True)]:
+        end = flat.numel() if table is None else table.offset
+        if by_rows and end > start:  # the dense run before it
+            run = flat[start:end]
+            pending.append(comm.allreduce(run))
+            sent += allreduce_sent_nbytes(run.nbytes, comm.world_size)
+            start = end
+        if table is None or not by_rows:
+            continue
+        rows = table.view(flat)
+        result = router.sync(
+            table.key, SparseRows.from_dense(rows), comm, route.step, in_bucket=True, scheme=scheme
+        )
+        result.total.into(rows)
+        sent += result.sent_nbytes
+        start = table.offset + table.numel
+    schemes = sorted({router.last[t.key]["exchanged_by"] for t, s in zip(tables, sparse, strict=True) if s})
+    carried = "+".join(schemes) or None  # the schemes the rows went by
 
-    def done(summed_frame: torch.Tensor) -> Exchanged:
+    def done(_: object) -> Exchanged:
         clock.lap("communicate")
-        if summed_frame[-1] != 0 or not _all_finite((summed_frame,)):
-            return Exchanged(scheme, None, _not_finite, False, payload_bytes, sent, clock.seconds)
-        total, local, subtract_local = decode(_split(summed_frame[:-1], payload))
+        return Exchanged("allreduce", carried, x, lambda: x, True, x.nbytes, sent, clock.seconds)
+
+    return then(torch.futures.collect_all(pending), done, x.device)
+
+
+def _allreduce(
+    codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, keep_local: bool, out: torch.Tensor | None
+) -> Future[Exchanged]:
+    clock = _Clock()
+    payload, ctx = codec.compress(x)
+    clock.lap("compress")
+    if len(payload) == 1 and payload[0].is_floating_point() and not keep_local:
+        frame = payload[0].view(-1)  # summed in place: nothing reads this rank's own payload after
+    else:  # a copy: error feedback decodes the unsummed payload after the exchange
+        frame = torch.cat([t.reshape(-1) for t in payload])
+    flagged = not frame.is_floating_point()
+    if flagged:
+        frame = torch.cat([frame, frame.new_full((1,), 0 if finite else 1)])
+    elif not finite:
+        frame[0] = float("nan")  # the sum is NaN on every rank
+    payload_nbytes = sum(t.nbytes for t in payload)
+    sent = allreduce_sent_nbytes(frame.nbytes, comm.world_size)
+
+    def done(summed: torch.Tensor) -> Exchanged:
+        clock.lap("communicate")
+        body = summed[:-1] if flagged else summed
+        if (flagged and summed[-1] != 0) or not _all_finite((body,)):
+            return Exchanged("allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
+        summed_payload = _split(body, payload)
+        if out is None:
+            total = codec.decompress(summed_payload, ctx)
+        else:
+            total = codec.decompress_into(out, summed_payload, ctx)
         clock.lap("decompress")
-        return Exchanged(scheme, total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
+        return Exchanged(
+            "allreduce",
+            None,
+            total,
+            _local(codec, payload, ctx),
+            True,
+            payload_nbytes,
+            sent,
+            clock.seconds,
+            _subtract(codec, payload, ctx),
+        )
 
     return then(comm.allreduce(frame), done, frame.device)
 
 
-def _vote(
-    payload: Payload,
-    like: torch.Tensor,
-    comm: Comm,
-    finite: bool,
-    clock: _Clock,
-    local: Local,
-    subtract_local: RemoveLocal,
-) -> Future[Exchanged]:
+def _vote(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool) -> Future[Exchanged]:
     """Majority vote over ranks' sign bits: counts summed in packed int32 fields by one allreduce."""
-    numel = like.numel()
+    clock = _Clock()
+    payload, ctx = codec.compress(x)
+    numel = x.numel()
     bits = field_bits(comm.world_size)  # a field must hold a count of up to world_size votes
     words = pack_fields(unpack_bits(payload[0], 1, numel), bits)
-    frame = _framed([words], finite)
-    sent = allreduce_sent_bytes(frame.nbytes, comm.world_size)
+    frame = torch.cat([words, words.new_full((1,), 0 if finite else 1)])
+    sent = allreduce_sent_nbytes(frame.nbytes, comm.world_size)
     clock.lap("compress")
 
     def done(summed: torch.Tensor) -> Exchanged:
         clock.lap("communicate")
         if summed[-1] != 0:
-            return Exchanged("vote", None, _not_finite, False, words.nbytes, sent, clock.seconds)
+            return Exchanged("allreduce", None, None, _not_finite, False, words.nbytes, sent, clock.seconds)
         votes_for_plus = unpack_fields(summed[:-1], bits, numel)
-        total = votes_for_plus.mul_(2).sub_(comm.world_size).sign_().to(like.dtype).view(like.shape)
+        total = votes_for_plus.mul_(2).sub_(comm.world_size).sign_().to(x.dtype).view(x.shape)
         clock.lap("decompress")
-        return Exchanged("vote", total, local, True, words.nbytes, sent, clock.seconds, subtract_local)
+        return Exchanged(
+            "allreduce",
+            None,
+            total,
+            _local(codec, payload, ctx),
+            True,
+            words.nbytes,
+            sent,
+            clock.seconds,
+            _subtract(codec, payload, ctx),
+        )
 
     return then(comm.allreduce(frame), done, frame.device)
 
 
 def _allgather(
-    codec: Compressor,
-    payload: Payload,
-    ctx: object,
-    like: torch.Tensor,
-    comm: Comm,
-    finite: bool,
-    clock: _Clock,
-    local: Local,
-    subtract_local: RemoveLocal,
-    out: torch.Tensor | None,
+    codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, out: torch.Tensor | None
 ) -> Future[Exchanged]:
+    clock = _Clock()
+    payload, ctx = codec.compress(x)
+    clock.lap("compress")
     frame = _framed([t.reshape(-1).view(torch.uint8) for t in payload], finite)
     if type(codec).fixed_size:
         layouts = [[(t.dtype, t.shape) for t in payload]] * comm.world_size
-    else:
+    else:  # waits for every rank's sizes: runs on the lane's thread
         numels = allgather_sizes(comm, [t.numel() for t in payload], frame.device)
         layouts = [[(t.dtype, (n,)) for t, n in zip(payload, row, strict=True)] for row in numels]
         longest = max(sum(_nbytes(layout)) for layout in layouts) + 1  # + the flag
         frame = torch.cat([frame, frame.new_zeros(longest - frame.numel())])
-    sent = allgather_sent_bytes(frame.numel(), comm.world_size)
+    sent = allgather_sent_nbytes(frame.numel(), comm.world_size)
+    payload_nbytes = sum(t.nbytes for t in payload)
 
     def done(frames: list[torch.Tensor]) -> Exchanged:
         clock.lap("communicate")
         payloads = [_from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
         flags = [f[sum(_nbytes(layout))] for f, layout in zip(frames, layouts, strict=True)]
-        finite = all(flag == 0 for flag in flags) and all(_all_finite(p) for p in payloads)
-        total = None
-        if finite:
-            total = torch.zeros_like(like) if out is None else out.zero_()
-            for rank_payload in payloads:  # rank order: the same sum on every rank
-                codec.add_decoded_(total, rank_payload, ctx)
+        if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in payloads)):
+            return Exchanged("allgather", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
+        total = torch.zeros_like(x) if out is None else out.zero_()
+        for rank_payload in payloads:  # rank order: the same sum on every rank
+            codec.add_decoded_(total, rank_payload, ctx)
         clock.lap("decompress")
-        payload_bytes = sum(t.nbytes for t in payload)
-        if not finite:
-            return Exchanged("allgather", None, _not_finite, False, payload_bytes, sent, clock.seconds)
-        return Exchanged("allgather", total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
+        return Exchanged(
+            "allgather",
+            None,
+            total,
+            _local(codec, payload, ctx),
+            True,
+            payload_nbytes,
+            sent,
+            clock.seconds,
+            _subtract(codec, payload, ctx),
+        )
 
     return then(comm.allgather(frame), done, frame.device)
 
 
 def _sparse(
-    payload: Payload,
-    like: torch.Tensor,
-    finite: bool,
-    clock: _Clock,
-    local: Local,
-    subtract_local: RemoveLocal,
-    out: torch.Tensor | None,
-    route: SparseRoute,
+    codec: Compressor, x: torch.Tensor, route: Route, scheme: str, finite: bool, out: torch.Tensor | None
 ) -> Future[Exchanged]:
-    """The payload as rows of width 1 through gradsync.sparse; blocks until the sum is here."""
+    """The payload as rows of width 1 by a sparse scheme (the router's choice for "auto")."""
+    clock = _Clock()
+    payload, ctx = codec.compress(x)
+    clock.lap("compress")
     encoded, values = payload
-    numel = like.numel()
+    numel = x.numel()
     rows = SparseRows(decode_indices(encoded, numel, values.numel()), values.view(-1, 1), numel)
-    result = route(rows, finite)
+    result = route.router.sync(route.key, rows, route.comm, route.step, finite, scheme=scheme)
     clock.lap("communicate")
-    payload_bytes = encoded.nbytes + values.nbytes
+    payload_nbytes = encoded.nbytes + values.nbytes
     if not result.finite:
-        return completed(
-            Exchanged("sparse", None, _not_finite, False, payload_bytes, result.bytes_sent, clock.seconds)
+        failed = Exchanged(
+            "allgather",
+            result.scheme,
+            None,
+            _not_finite,
+            False,
+            payload_nbytes,
+            result.sent_nbytes,
+            clock.seconds,
         )
-    total = result.total.into(torch.empty_like(like) if out is None else out)
+        return completed(failed)
+    total = result.total.into(torch.empty_like(x) if out is None else out)
     clock.lap("decompress")
-    sent = result.bytes_sent
     return completed(
-        Exchanged("sparse", total, local, True, payload_bytes, sent, clock.seconds, subtract_local)
+        Exchanged(
+            "allgather",
+            result.scheme,
+            total,
+            _local(codec, payload, ctx),
+            True,
+            payload_nbytes,
+            result.sent_nbytes,
+            clock.seconds,
+            _subtract(codec, payload, ctx),
+        )
     )
 
 
-def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, clock: _Clock) -> Future[Exchanged]:
-    """Multi-round summable protocol: every round but the last blocks, since the next depends on it."""
-    payload, ctx = codec.begin(x if finite else torch.zeros_like(x))  # type: ignore[attr-defined]
-    payload_bytes = sent = 0
+def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool) -> Future[Exchanged]:
+    """Multi-round summable protocol: every round but the last waits, since the next depends on it."""
+    clock = _Clock()
+    payload, ctx = codec.begin(x)  # type: ignore[attr-defined]
+    payload_nbytes = sent = 0
     for _ in range(codec.rounds - 1):
         clock.lap("compress")
-        frame = _framed([t.reshape(-1) for t in payload], finite)
-        payload_bytes += frame.nbytes - frame.element_size()
-        sent += allreduce_sent_bytes(frame.nbytes, comm.world_size)
-        summed_frame = comm.allreduce(frame).wait()
+        frame = torch.cat([t.reshape(-1) for t in payload])
+        if not finite:
+            frame[0] = float("nan")
+        payload_nbytes += frame.nbytes
+        sent += allreduce_sent_nbytes(frame.nbytes, comm.world_size)
+        summed = comm.allreduce(frame).wait()
         clock.lap("communicate")
-        if summed_frame[-1] != 0 or not _all_finite((summed_frame,)):
-            failed = Exchanged("rounds", None, _not_finite, False, payload_bytes, sent, clock.seconds)
+        if not _all_finite((summed,)):
+            failed = Exchanged(
+                "allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds
+            )
             return completed(failed)
-        payload, ctx = codec.next_round(_split(summed_frame[:-1], payload), ctx)  # type: ignore[attr-defined]
+        payload, ctx = codec.next_round(_split(summed, payload), ctx)  # type: ignore[attr-defined]
     clock.lap("compress")
-    finish = codec.finish  # type: ignore[attr-defined]
-    # The local decode comes from the last round as a whole: feedback subtracts local().
-    return _allreduce(
-        payload,
-        comm,
-        True,
-        clock,
-        lambda summed: (*finish(summed, ctx), None),
-        spent=(payload_bytes, sent),
-        scheme="rounds",
-    )
+    frame = torch.cat([t.reshape(-1) for t in payload])
+    payload_nbytes += frame.nbytes
+    sent += allreduce_sent_nbytes(frame.nbytes, comm.world_size)
+
+    def done(summed: torch.Tensor) -> Exchanged:
+        clock.lap("communicate")
+        if not _all_finite((summed,)):
+            return Exchanged("allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
+        total, local = codec.finish(_split(summed, payload), ctx)  # type: ignore[attr-defined]
+        clock.lap("decompress")
+        # The local decode comes from the last round as a whole: feedback subtracts local().
+        return Exchanged("allreduce", None, total, local, True, payload_nbytes, sent, clock.seconds)
+
+    return then(comm.allreduce(frame), done, frame.device)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _local(codec: Compressor, payload: Payload, ctx: object) -> Local:
+    return lambda: codec.decompress(payload, ctx)
+
+
+def _subtract(codec: Compressor, payload: Payload, ctx: object) -> RemoveLocal:
+    def subtract(t: torch.Tensor) -> torch.Tensor:
+        codec.sub_decoded_(t, payload, ctx)
+        return t
+
+    return subtract
 
 
 def _not_finite() -> torch.Tensor:
@@ -324,7 +426,12 @@ def _framed(parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
 
 
 def _all_finite(tensors: Payload) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+    # One reduction pass, in fp32 so that a sum of finite fp16 values cannot overflow.
+    return all(
+        bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+        for t in tensors
+        if t.is_floating_point()
+    )
 
 
 def _split(frame: torch.Tensor, like: Payload) -> Payload:

@@ -1,11 +1,12 @@
 """Plan: how each group of gradients is exchanged, as the DDP hook executes it and a person reads it.
 
 A plan cuts the model's gradients, in backprop order, into groups (gradsync.schedule chooses the
-cuts) and gives each group a strategy (gradsync.planner chooses them; `make` does both): a codec
-with its arguments, the collective, and where the codec runs, as gradsync.sim.strategy writes them:
-`fp32`, `fp16`, `topk:ratio=0.01:exchange=sparse`, `qsgd:exchange=allgather:on=cpu`. It records
-what it was made for (the model's tensors, the world size), the predicted step time, the reason
-for each choice, and the measured step time where it was measured.
+cuts) and gives each group a strategy (gradsync.planner chooses them; gradsync.autoplan.make does
+both): a codec with its arguments, the collective, the sparse scheme and where the codec runs, as
+gradsync.strategy writes them: `none`, `fp16`, `topk:ratio=0.01:scheme=auto`,
+`qsgd:collective=two-level`. It records what it was made for (the model's tensors, the world
+size), the predicted step time, the reason for each choice, and the measured step time where it
+was measured. A plan is data: the hook executes it, the planners make it, files hold it.
 
 Example:
     >>> plan = Plan.load("plan.json")
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,14 +25,9 @@ from typing import Any
 
 from torch import nn
 
-from . import planner, schedule
-from .sim import engine
-from .sim import groups as grouping
-from .sim.cluster import Cluster
-from .sim.compute import Compute
-from .sim.strategy import Strategy, parse
+from .strategy import Strategy, parse
 
-VERSION = 1
+VERSION = 2  # 2: strategies in gradsync.strategy's words (collective=, scheme=, none)
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ class GroupPlan:
 
     params: tuple[int, ...]
     numel: int
-    strategy: str  # gradsync.sim.strategy text, e.g. "fp16" or "topk:ratio=0.01:exchange=sparse"
+    strategy: str  # gradsync.strategy text, e.g. "fp16" or "topk:ratio=0.01:scheme=auto"
     reason: str = ""  # why the planner chose it
     names: tuple[str, ...] = ()  # the parameters' names, for people
 
@@ -162,7 +157,10 @@ class Plan:
             raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
         version = data.get("version")
         if version != VERSION:
-            raise ValueError(f"plan version {version!r} is not {VERSION}, the version this gradsync reads")
+            raise ValueError(
+                f"plan version {version!r} is not {VERSION}, the version this gradsync reads; make the plan "
+                "afresh (`gradsync plan`, or SyncConfig(plan='auto'))"
+            )
         expected = {"version", "model", "world_size", "predicted_step_s", "measured_step_s"}
         expected |= {"alternatives", "meta", "groups"}
         missing = sorted(expected - set(data))
@@ -250,128 +248,3 @@ def signature(model: nn.Module | Sequence[tuple[str, Sequence[int]]]) -> str:
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-# The schedule's best groupings the event simulator checks before one becomes the plan.
-CHECKED_CANDIDATES = 5
-
-
-def make(
-    compute: Compute,
-    cluster: Cluster,
-    compressor: str | None = None,
-    compressor_args: Mapping[str, Any] | None = None,
-    model: str = "",
-    params: Sequence[int] | None = None,
-    max_groups: int = 64,
-    budget: int = 200,
-) -> Plan:
-    """The plan for `compute` on `cluster`: groups from the merge scheduler, strategies from the
-    planner, chosen among fp32, fp16, bf16 and `compressor` (with its arguments) in every
-    exchange it allows; the first of make_all's.
-
-    Example:
-        >>> from gradsync.sim import cluster, compute, models
-        >>> where = cluster.cluster(8, 8, "v100", "25gbit")
-        >>> work = compute.from_model(models.build("bert-base"), where.device)
-        >>> print(make(work, where, "topk", {"ratio": 0.01}, model="sim:bert-base").describe())
-    """
-    return make_all(compute, cluster, compressor, compressor_args, model, params, max_groups, budget)[0]
-
-
-def make_all(
-    compute: Compute,
-    cluster: Cluster,
-    compressor: str | None = None,
-    compressor_args: Mapping[str, Any] | None = None,
-    model: str = "",
-    params: Sequence[int] | None = None,
-    max_groups: int = 64,
-    budget: int = 200,
-    buckets: Sequence[Sequence[int]] | None = None,
-) -> list[Plan]:
-    """Every plan the event simulator weighed, least predicted step first (ties: as found).
-
-    The schedule's best few groupings (each with the planner's strategies) and every uniform
-    strategy on DDP's buckets (as a fixed configuration runs) are laid out by the event simulator
-    (sim/engine.py, which models what the planner's fast timeline leaves out: two-level
-    pipelining, measured contention), so the first plan is never predicted slower than the best
-    uniform strategy. Each plan's `alternatives` holds the predicted step of every option, and
-    of `compressor` layer-wise and in one group (MergeComp's comparison). `params` maps each
-    gradient (backprop order) to its position in model.parameters() (default: the same index);
-    `model` is the model's signature(). `buckets` are DDP's real buckets as gradient indices, where
-    known (default: sim/groups.ddp's model of them): uniform strategies are laid out on them, and
-    every other group pays for the hook's copies out of them and back.
-    """
-    started = time.perf_counter()
-    if buckets is None:
-        buckets = grouping.ddp(compute.numels)
-    else:
-        buckets = [list(b) for b in buckets]
-        grouping.check(buckets, len(compute.numels))
-    whole = {(b[0], b[-1]) for b in buckets}
-
-    def simulate(chosen: Strategy | list[Strategy], groups: list[list[int]]) -> float:
-        copied = [(g[0], g[-1]) not in whole for g in groups]
-        return engine.simulate(compute, cluster, chosen, groups, copied=copied).step_s
-
-    strategies = planner.space(cluster, compressor, dict(compressor_args or {}))
-    found = schedule.search(compute, cluster, strategies, max_groups, budget, buckets)
-    searched_s = time.perf_counter() - started
-
-    options: list[tuple[float, str, list[list[int]], list[Strategy], list[str]]] = []
-    for rank, candidate in enumerate(found.tried[:CHECKED_CANDIDATES], start=1):
-        groups = [list(g) for g in candidate.groups]
-        chosen = list(candidate.decision.strategies)
-        label = f"per-group plan {rank} ({candidate.label})"
-        options.append((simulate(chosen, groups), label, groups, chosen, list(candidate.decision.reasons)))
-    alternatives: dict[str, float] = {"per-group plan": min(option[0] for option in options)}
-    has_rows = any(g.density for g in compute.gradients)
-    for strategy in strategies:
-        if strategy.exchange == "sparse" and not strategy.compressed and not has_rows:
-            continue  # no embedding rows to send sparsely
-        step = simulate(strategy, buckets)
-        label = f"{strategy.text}, DDP buckets"
-        alternatives[label] = step
-        reason = f"uniform {strategy.text} on DDP's buckets"
-        options.append((step, label, buckets, [strategy] * len(buckets), [reason] * len(buckets)))
-    if compressor and compressor not in ("none", "fp32"):
-        spec = ":".join([compressor, *(f"{k}={v}" for k, v in sorted((compressor_args or {}).items()))])
-        codec = parse(spec)  # with its default exchange
-        count = len(compute.numels)
-        for label, groups in (
-            ("layer-wise", grouping.layerwise(count)),
-            ("one group", grouping.single(count)),
-        ):
-            alternatives[f"{codec.text}, {label}"] = simulate(codec, groups)
-    index = list(params) if params is not None else list(range(len(compute.gradients)))
-    meta = {
-        "cluster": cluster.describe(),
-        "model_name": compute.name,
-        "compressor": compressor or "none",
-        "compressor_args": dict(compressor_args or {}),
-        "groupings_tried": len(found.tried),
-        "search_s": searched_s,
-        "decision_s": found.best.decision.seconds,
-        "planner_step_s": found.best.step_s,
-    }
-    plans, seen = [], set()
-    for step, label, groups, chosen, reasons in sorted(options, key=lambda option: option[0]):
-        key = (tuple(map(tuple, groups)), tuple(chosen))
-        if key in seen:
-            continue  # the same plan found twice (a grouping the search and DDP share)
-        seen.add(key)
-        plan_groups = tuple(
-            GroupPlan(
-                tuple(index[i] for i in group),
-                sum(compute.gradients[i].numel for i in group),
-                strategy.text,
-                reason,
-                tuple(compute.gradients[i].name for i in group),
-            )
-            for group, strategy, reason in zip(groups, chosen, reasons, strict=True)
-        )
-        plans.append(
-            Plan(model, cluster.world_size, plan_groups, step, None, alternatives, {**meta, "chosen": label})
-        )
-    return plans

@@ -1,7 +1,7 @@
 """The planner: which strategy each group of gradients is exchanged by (Espresso's decision).
 
 Given the compute timeline, a cluster and a grouping, it picks for every group one strategy from
-the strategy space (`space`): fp32, fp16 or bf16 allreduce, or the user's compressor with each
+the strategy space (`space`): none (fp32), fp16 or bf16 allreduce, or the user's compressor with each
 collective it can use, on the device or offloaded to CPU threads where there is a GPU. Compression
 pays only where it shortens the step: on a fast network, for small groups, or where a group's
 transfer hides behind the backward pass anyway, fp32 wins.
@@ -40,7 +40,7 @@ from . import compress
 from .sim import quick
 from .sim.cluster import CPU_HOST, Cluster
 from .sim.compute import Compute
-from .sim.strategy import Strategy, parse
+from .strategy import NONE, Strategy, parse, sums
 
 # Count vectors tried exactly by the offload step; larger instances go class by class.
 OFFLOAD_EXACT_LIMIT = 1024
@@ -52,30 +52,34 @@ _CASTS = ("fp16", "bf16")
 def space(
     cluster: Cluster, compressor: str | None = None, compressor_args: dict | None = None
 ) -> list[Strategy]:
-    """The strategies a group may take on `cluster`, fp32 first.
+    """The strategies a group may take on `cluster`, none (fp32) first.
 
-    fp32, fp16 and bf16 allreduce; then, for `compressor` (with its arguments), every exchange its
-    payload allows: allreduce where payloads are summable, allgather, the sparse schemes where its
-    payload is sparse rows, and two-level (hierarchical) where nodes have several workers; and each
-    of those offloaded to CPU threads where the workers compute on GPUs. On a measured cluster,
-    only codecs whose cost the profile measured.
+    none, fp16 and bf16 allreduce; then, for `compressor` (with its arguments), every exchange its
+    payload allows: allreduce where ranks sum its payloads, allgather where each payload can be
+    decoded alone, the sparse schemes (scheme=auto) where its payload is sparse rows, and two-level
+    where nodes have several workers; and each of those offloaded to CPU threads where the workers
+    compute on GPUs. On a measured cluster, only codecs whose cost the profile measured.
 
     Example:
         >>> from gradsync.sim import cluster
         >>> [s.text for s in space(cluster.cluster(1, 2), "topk", {"ratio": 0.01})][:4]
-        ['fp32', 'fp16', 'bf16', 'topk:ratio=0.01']
+        ['none', 'fp16', 'bf16', 'topk:ratio=0.01']
     """
-    found = [parse("fp32"), *(parse(cast) for cast in _CASTS)]
-    if compressor and compressor not in (*_CASTS, "none", "fp32"):
+    found = [parse(NONE), *(parse(cast) for cast in _CASTS)]
+    two_level = cluster.nodes > 1 and cluster.gpus_per_node > 1
+    if compressor and compressor not in (*_CASTS, NONE):
         args = tuple(sorted((compressor_args or {}).items()))
         codec = type(compress.build(compressor, **dict(args)))
-        exchanges = ["allreduce"] if codec.summable else []
-        exchanges += ["allgather"]
-        exchanges += ["sparse"] if codec.sparse_rows else []
-        exchanges += ["hierarchical"] if cluster.nodes > 1 and cluster.gpus_per_node > 1 else []
-        found += [Strategy(compressor, args, exchange) for exchange in exchanges]
-    if cluster.nodes > 1 and cluster.gpus_per_node > 1:
-        found += [replace(s, exchange="hierarchical") for s in found[: 1 + len(_CASTS)]]
+        ways = [Strategy(compressor, args, "allreduce")] if sums(codec) else []
+        if codec.rounds == 1 and not codec.majority_vote:
+            ways.append(Strategy(compressor, args, "allgather"))
+        if codec.sparse_rows:
+            ways.append(Strategy(compressor, args, "allgather", scheme="auto"))
+        if two_level:
+            ways.append(Strategy(compressor, args, "two-level"))
+        found += ways
+    if two_level:
+        found += [replace(s, collective="two-level") for s in found[: 1 + len(_CASTS)]]
     if cluster.device.name != CPU_HOST.name:  # GPUs: a CPU thread is somewhere else to compress
         found += [replace(s, on="cpu") for s in found if s.compressed and s.codec not in _CASTS]
     if cluster.compression is not None:  # measured: only what was measured
@@ -139,7 +143,7 @@ class Problem:
         costs = np.zeros((len(self.space), len(quick.COLUMNS)))
         valid = np.ones(len(self.space), dtype=bool)
         for j, strategy in enumerate(self.space):
-            if strategy.exchange == "sparse" and not strategy.compressed and not sparse:
+            if strategy.scheme is not None and not strategy.compressed and not sparse:
                 valid[j] = False  # no embedding rows to send sparsely
                 continue
             costs[j] = quick.cost_vector(strategy, numel, self.cluster, sparse, copied)
@@ -246,12 +250,8 @@ def _first_least(steps: np.ndarray) -> int:
 
 def _offload(problem: Problem, assignment: np.ndarray, reasons: list[str]) -> None:
     """Move the best number of each size class's device-compressed groups to CPU threads."""
-    place = {(s.codec, s.args, s.exchange, s.on): j for j, s in enumerate(problem.space)}
-    offloaded = {
-        j: place[(s.codec, s.args, s.exchange, "cpu")]
-        for j, s in enumerate(problem.space)
-        if s.on == "device" and (s.codec, s.args, s.exchange, "cpu") in place
-    }
+    place = {replace(s, on="device"): j for j, s in enumerate(problem.space) if s.on == "cpu"}
+    offloaded = {j: place[s] for j, s in enumerate(problem.space) if s.on == "device" and s in place}
     classes: dict[tuple[int, int], list[int]] = {}
     for group, j in enumerate(assignment):
         if j in offloaded:

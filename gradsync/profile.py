@@ -44,6 +44,9 @@ from .comm import Comm, LocalComm, TorchComm
 from .config import SyncConfig
 from .cost import LinearFit, fit_linear
 from .ddp import SyncState
+from .sim import cluster as clusters
+from .sim.cluster import Cluster
+from .sim.compute import Compute, Gradient
 
 VERSION = 1
 # A collective may name the dtype it moves: "allreduce:float16" sums fp16 (gloo sums it far slower
@@ -162,6 +165,24 @@ class Profile:
                 for name, fit in checked["collectives"].items()
             },
             meta=checked["meta"],
+        )
+
+    def compute(self) -> Compute:
+        """The compute timeline this profile measured, as the simulator takes it."""
+        # Medians of different tensors can cross by a hair; a gradient is ready no earlier than the
+        # one before it in backprop order.
+        gradients, ready = [], 0.0
+        for t in self.tensors:
+            ready = min(max(ready, t.ready_s), self.backward_s)
+            gradients.append(Gradient(t.name, t.numel, ready))
+        name = str(self.meta.get("model", self.meta.get("workload", "")))
+        batch = int(self.meta.get("batch_size", 1))
+        return Compute(self.forward_s, self.backward_s, self.optimizer_s, tuple(gradients), batch, name)
+
+    def cluster(self) -> Cluster:
+        """The measured cluster this profile describes: its world, collectives, codecs and hook path."""
+        return clusters.measured(
+            self.world_size, self.collectives, self.compression, self.hook, self.contention
         )
 
     def save(self, path: str | os.PathLike) -> None:

@@ -15,21 +15,23 @@ completed by one bucket in index order).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.futures import Future
 
 from .comm import forward
 
-Sync = Callable[[torch.Tensor, int, bool], Future]  # (flat gradient, group index, ends the step)
-
 
 class Regroup:
-    """One step's worth of regrouping; feed it every bucket of the step, in DDP's order."""
+    """One step's worth of regrouping; feed it every bucket of the step, in DDP's order.
 
-    def __init__(self, sync: Sync, groups: Mapping[int, Sequence[int]]) -> None:
-        self._sync = sync
+    add() takes a bucket and returns the groups it completes, each as one tensor to sync; the
+    caller syncs them and hands each future back through synced(); bucket_result() is then the
+    future of the bucket's averaged buffer.
+    """
+
+    def __init__(self, groups: Mapping[int, Sequence[int]]) -> None:
         self._groups = {index: tuple(params) for index, params in groups.items()}
         self._group_of = {param: index for index, params in self._groups.items() for param in params}
         self._arrived: dict[int, dict[int, torch.Tensor]] = {}  # group -> param -> gradient view
@@ -37,12 +39,12 @@ class Regroup:
 
     def add(
         self, buffer: torch.Tensor, params: Sequence[int], numels: Sequence[int], is_last: bool
-    ) -> Future[torch.Tensor]:
-        """Take one bucket (its flat buffer holds `params` in order); a future of its averaged buffer."""
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Take one bucket (its flat buffer holds `params` in order); the groups it completes, in
+        index order, each with its gradients concatenated in the group's own order."""
         flat = buffer.view(-1)
-        spans = _spans(params, numels)
         touched: list[int] = []
-        for param, (lo, hi) in spans.items():
+        for param, (lo, hi) in _spans(params, numels).items():
             group = self._group_of.get(param)
             if group is None:
                 raise ValueError(
@@ -56,12 +58,20 @@ class Regroup:
         ready = sorted(g for g in touched if len(self._arrived[g]) == len(self._groups[g]))
         if is_last:
             self.check_complete()
-        for group in ready:
-            part = torch.cat([self._arrived[group][param] for param in self._groups[group]])
-            forward(self._sync(part, group, is_last and group == ready[-1]), self._results[group])
+        return [(group, torch.cat([self._arrived[group][p] for p in self._groups[group]])) for group in ready]
+
+    def synced(self, group: int, future: Future) -> None:
+        """The future of group `group`'s average, as its sync returned it."""
+        forward(future, self._results[group])
+
+    def bucket_result(self, buffer: torch.Tensor, params: Sequence[int], numels: Sequence[int]) -> Future:
+        """The future of a bucket's averaged buffer: its parameters' slices of their groups' sums,
+        once every group it touches is done."""
+        spans = _spans(params, numels)
+        touched = list(dict.fromkeys(self._group_of[param] for param in params))
 
         def assemble(_: Future) -> torch.Tensor:
-            out = torch.empty_like(flat)
+            out = torch.empty_like(buffer.view(-1))
             for group in touched:
                 synced = self._results[group].value().view(-1)
                 start = 0

@@ -27,7 +27,7 @@ from . import planner
 from .sim import groups as grouping
 from .sim.cluster import Cluster
 from .sim.compute import Compute
-from .sim.strategy import Strategy
+from .strategy import Strategy
 
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 

@@ -24,7 +24,6 @@ import ipaddress
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -40,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
+
+from .units import format_bandwidth, parse_bandwidth, parse_latency
 
 PREFIX = "gsync-"
 SWITCH_NETNS = "gsync-sw"
@@ -79,69 +80,6 @@ class TestbedError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Units
-
-
-# tc's rate units (tc(8) "RATES"); as in tc, a bare number is bit/s and the *bps units are BYTES/s.
-_RATE_UNITS_BPS = {
-    "": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "kibit": 2.0**10, "mibit": 2.0**20, "gibit": 2.0**30, "tibit": 2.0**40,
-    "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-    "kibps": 8 * 2.0**10, "mibps": 8 * 2.0**20, "gibps": 8 * 2.0**30, "tibps": 8 * 2.0**40,
-}  # fmt: skip
-_TIME_UNITS_MS = {
-    "us": 1e-3, "usec": 1e-3, "usecs": 1e-3,
-    "ms": 1.0, "msec": 1.0, "msecs": 1.0,
-    "s": 1e3, "sec": 1e3, "secs": 1e3,
-}  # fmt: skip
-_NUMBER_UNIT = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
-
-
-def parse_bandwidth(text: str) -> float:
-    """Bits per second from a tc rate: "1gbit" -> 1e9, "2.5gbit", "100mbit", "1000000bit".
-
-    Units are tc's, case-insensitive: bit, kbit, mbit, gbit, tbit (powers of 1000), kibit..tibit
-    (powers of 1024), and bps, kbps, ... which, as in tc, mean BYTES per second.
-    """
-    match = _NUMBER_UNIT.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _RATE_UNITS_BPS:
-        raise ValueError(
-            f"bandwidth {text!r} is not a rate; write a number and a tc unit, e.g. '1gbit', "
-            "'100mbit', '2.5gbit' or '1000000bit' (units: bit, kbit, mbit, gbit, tbit)"
-        )
-    bps = float(match.group(1)) * _RATE_UNITS_BPS[unit]
-    if not (bps > 0 and math.isfinite(bps)):
-        raise ValueError(f"bandwidth {text!r} must be a positive, finite rate, e.g. '1gbit'")
-    return bps
-
-
-def parse_latency(text: str) -> float:
-    """Milliseconds from a duration with a unit: "0.2ms" -> 0.2, "150us" -> 0.15, "1s" -> 1000; "0" -> 0."""
-    match = _NUMBER_UNIT.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    # tc reads a bare number as microseconds; refuse it rather than guess (bare zero is unambiguous).
-    bare_zero = match is not None and unit == "" and float(match.group(1)) == 0
-    if match is None or (unit not in _TIME_UNITS_MS and not bare_zero):
-        raise ValueError(
-            f"latency {text!r} is not a duration; write a number and a unit (us, ms or s), "
-            "e.g. '0.2ms', '150us' or '0'"
-        )
-    ms = float(match.group(1)) * _TIME_UNITS_MS.get(unit, 0.0)
-    if not (ms >= 0 and math.isfinite(ms)):
-        raise ValueError(f"latency {text!r} must be zero or positive and finite, e.g. '0.2ms'")
-    return ms
-
-
-def format_bandwidth(bps: float) -> str:
-    """ "1 Gbit/s", "200 Mbit/s", "2.5 Gbit/s"."""
-    for scale, unit in ((1e12, "Tbit/s"), (1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
-        if bps >= scale:
-            return f"{bps / scale:.4g} {unit}"
-    return f"{bps:.4g} bit/s"
-
-
-# ---------------------------------------------------------------------------------------------
 # What a testbed is
 
 
@@ -164,7 +102,7 @@ class Testbed:
     """N hosts on one switch; every host's link shaped to one rate and delay, in both directions."""
 
     hosts: tuple[Host, ...]
-    bandwidth_bps: float  # per link and per direction, counted in Ethernet frame bytes (as tc does)
+    bandwidth_bits_per_s: float  # per link and per direction, counted in Ethernet frame bytes (as tc does)
     latency_ms: float  # one-way host-to-host delay actually added (0 where the kernel has no netem)
 
     def describe(self) -> str:
@@ -174,7 +112,7 @@ class Testbed:
         names = first if len(self.hosts) == 1 else f"{first}..{last.removeprefix(PREFIX)}"
         plural = "s" if len(self.hosts) != 1 else ""
         return (
-            f"{len(self.hosts)} host{plural}, {format_bandwidth(self.bandwidth_bps)} per link, "
+            f"{len(self.hosts)} host{plural}, {format_bandwidth(self.bandwidth_bits_per_s)} per link, "
             f"{latency} (netns {names})"
         )
 
@@ -182,7 +120,7 @@ class Testbed:
         """JSON-friendly; Testbed.from_dict inverts it."""
         return {
             "hosts": [dataclasses.asdict(host) for host in self.hosts],
-            "bandwidth_bps": self.bandwidth_bps,
+            "bandwidth_bits_per_s": self.bandwidth_bits_per_s,
             "latency_ms": self.latency_ms,
         }
 
@@ -190,24 +128,24 @@ class Testbed:
     def from_dict(cls, data: dict[str, Any]) -> Testbed:
         try:
             hosts = tuple(Host(**host) for host in data["hosts"])
-            return cls(hosts, float(data["bandwidth_bps"]), float(data["latency_ms"]))
+            return cls(hosts, float(data["bandwidth_bits_per_s"]), float(data["latency_ms"]))
         except (KeyError, TypeError) as error:
             raise ValueError(
                 f"not a testbed description ({error!r}); expected the keys of Testbed.to_dict(): "
-                f"hosts (index, netns, ifname, address), bandwidth_bps, latency_ms; got {data!r}"
+                f"hosts (index, netns, ifname, address), bandwidth_bits_per_s, latency_ms; got {data!r}"
             ) from error
 
 
-def _layout(hosts: int, bandwidth_bps: float, latency_ms: float) -> Testbed:
+def _layout(hosts: int, bandwidth_bits_per_s: float, latency_ms: float) -> Testbed:
     if not 1 <= hosts <= MAX_HOSTS:
         raise ValueError(f"hosts={hosts} must be between 1 and {MAX_HOSTS} (one address each in {SUBNET})")
-    if not (bandwidth_bps > 0 and math.isfinite(bandwidth_bps)):
-        raise ValueError(f"bandwidth_bps={bandwidth_bps} must be positive and finite, e.g. 1e9")
+    if not (bandwidth_bits_per_s > 0 and math.isfinite(bandwidth_bits_per_s)):
+        raise ValueError(f"bandwidth_bits_per_s={bandwidth_bits_per_s} must be positive and finite, e.g. 1e9")
     if not (latency_ms >= 0 and math.isfinite(latency_ms)):
         raise ValueError(f"latency_ms={latency_ms} must be zero or positive and finite, e.g. 0.2")
     return Testbed(
         hosts=tuple(Host(i, f"{PREFIX}h{i}", HOST_IFNAME, str(SUBNET[i + 1])) for i in range(hosts)),
-        bandwidth_bps=float(bandwidth_bps),
+        bandwidth_bits_per_s=float(bandwidth_bits_per_s),
         latency_ms=float(latency_ms),
     )
 
@@ -221,13 +159,13 @@ def _switch_port(host: Host) -> str:
 # The commands
 
 
-def plan_commands(hosts: int, bandwidth_bps: float, latency_ms: float) -> list[list[str]]:
+def plan_commands(hosts: int, bandwidth_bits_per_s: float, latency_ms: float) -> list[list[str]]:
     """Every ip/tc command that up() runs, in order. Pure: builds nothing.
 
     Every command names its namespace (`ip netns add`, `ip -n`, `tc -n`); veth pairs are created
     inside a host namespace with the peer placed directly in the switch namespace.
     """
-    testbed = _layout(hosts, bandwidth_bps, latency_ms)
+    testbed = _layout(hosts, bandwidth_bits_per_s, latency_ms)
     sw = SWITCH_NETNS
     commands = [
         ["ip", "netns", "add", sw],
@@ -248,15 +186,15 @@ def plan_commands(hosts: int, bandwidth_bps: float, latency_ms: float) -> list[l
             ["ip", "-n", ns, "addr", "add", f"{host.address}/{prefix_len}", "dev", dev],
             ["ip", "-n", sw, "link", "set", port, "master", BRIDGE],
             # Host egress shapes host -> switch; switch-port egress shapes switch -> host.
-            *_shaping_commands(ns, dev, testbed.bandwidth_bps, testbed.latency_ms / 2),
-            *_shaping_commands(sw, port, testbed.bandwidth_bps, testbed.latency_ms / 2),
+            *_shaping_commands(ns, dev, testbed.bandwidth_bits_per_s, testbed.latency_ms / 2),
+            *_shaping_commands(sw, port, testbed.bandwidth_bits_per_s, testbed.latency_ms / 2),
             ["ip", "-n", sw, "link", "set", port, "up"],
             ["ip", "-n", ns, "link", "set", dev, "up"],
         ]
     return commands
 
 
-def _shaping_commands(netns: str, dev: str, rate_bps: float, delay_ms: float) -> list[list[str]]:
+def _shaping_commands(netns: str, dev: str, rate_bits_per_s: float, delay_ms: float) -> list[list[str]]:
     """Egress qdiscs of one link end: tbf for the rate, under netem for the delay when there is one.
 
     Rate: tbf, not netem's `rate`, because kernels built without netem (like the VM this was
@@ -264,9 +202,17 @@ def _shaping_commands(netns: str, dev: str, rate_bps: float, delay_ms: float) ->
     (see _BURST_S). Delay: netem at the root with the tbf as its child, the layout the netem
     documentation gives for delay plus rate; up() plans no delay where the kernel lacks netem.
     """
-    burst_bytes = max(_MIN_BURST_BYTES, round(rate_bps / 8 * _BURST_S))
-    queue_bytes = max(_MIN_QUEUE_BYTES, round(rate_bps / 8 * _QUEUE_S))
-    tbf = ["tbf", "rate", f"{round(rate_bps)}bit", "burst", str(burst_bytes), "limit", str(queue_bytes)]
+    burst_bytes = max(_MIN_BURST_BYTES, round(rate_bits_per_s / 8 * _BURST_S))
+    queue_bytes = max(_MIN_QUEUE_BYTES, round(rate_bits_per_s / 8 * _QUEUE_S))
+    tbf = [
+        "tbf",
+        "rate",
+        f"{round(rate_bits_per_s)}bit",
+        "burst",
+        str(burst_bytes),
+        "limit",
+        str(queue_bytes),
+    ]
     tc = ["tc", "-n", netns, "qdisc", "add", "dev", dev]
     if delay_ms <= 0:
         return [[*tc, "root", "handle", "1:", *tbf]]
@@ -509,8 +455,8 @@ def up(hosts: int, bandwidth: str = "1gbit", latency: str = "0.2ms", persistent:
 
         >>> testbed = up(4, "1gbit", "0.2ms"); print(testbed.describe()); down()
     """
-    bandwidth_bps, latency_ms = parse_bandwidth(bandwidth), parse_latency(latency)
-    _layout(hosts, bandwidth_bps, latency_ms)  # argument errors before any side effect
+    bandwidth_bits_per_s, latency_ms = parse_bandwidth(bandwidth), parse_latency(latency)
+    _layout(hosts, bandwidth_bits_per_s, latency_ms)  # argument errors before any side effect
     reason, has_netem = _check_kernel()
     if reason is not None:
         raise TestbedError(f"cannot build a testbed: {reason}")
@@ -522,8 +468,8 @@ def up(hosts: int, bandwidth: str = "1gbit", latency: str = "0.2ms", persistent:
             stacklevel=2,
         )
         latency_ms = 0.0
-    testbed = _layout(hosts, bandwidth_bps, latency_ms)
-    commands = plan_commands(hosts, bandwidth_bps, latency_ms)
+    testbed = _layout(hosts, bandwidth_bits_per_s, latency_ms)
+    commands = plan_commands(hosts, bandwidth_bits_per_s, latency_ms)
     with _state_lock():
         live = _clean_stale()
         if live is not None:
@@ -599,7 +545,7 @@ def session(hosts: int, bandwidth: str = "1gbit", latency: str = "0.2ms") -> Ite
     (Signal handlers can only be set from the main thread; elsewhere only exceptions are covered.)
 
         >>> with session(2, "200mbit", "0.2ms") as testbed:
-        ...     bandwidth_bps = probe(testbed)
+        ...     bandwidth_bits_per_s = probe(testbed)
     """
     guard = _SignalGuard()
     with guard:

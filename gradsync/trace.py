@@ -1,4 +1,4 @@
-"""Trace: what the hook sent and how long it took, per bucket, summed per step."""
+"""Trace: what the hook sent and how long it took, per group, summed per step."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# Fields summed over the buckets of a step, and over all steps.
+# Fields summed over the groups of a step, and over all steps.
 _SUMMED = (
-    "buckets",
-    "compressed_buckets",
+    "groups",
+    "compressed_groups",
     "numel",
-    "payload_bytes",
-    "bytes_sent",
-    "bytes_fp32",
+    "payload_nbytes",
+    "sent_nbytes",
+    "fp32_nbytes",
     "compress_s",
     "communicate_s",
     "decompress_s",
@@ -22,24 +22,26 @@ _SUMMED = (
 
 
 @dataclass
-class BucketRecord:
-    """One bucket's (or plan group's) exchange in one step, as seen by this rank."""
+class GroupRecord:
+    """One group's exchange (a DDP bucket or a plan group; -1: a sparse gradient) in one step, as
+    seen by this rank."""
 
     step: int
-    bucket: int
+    group: int
     numel: int
-    compressed: bool
-    scheme: str  # how it was exchanged: one of gradsync.exchange.SCHEMES
-    payload_bytes: int  # this rank's payload (fp32 bytes when uncompressed)
-    bytes_sent: int  # bytes this rank sent over its links
-    bytes_fp32: int  # bytes it would have sent with a plain fp32 allreduce
+    codec: str  # the codec's registry name; "none": uncompressed
+    collective: str  # "allreduce" or "allgather"
+    scheme: str | None  # the sparse scheme that carried rows, if any
+    payload_nbytes: int  # this rank's payload (fp32 bytes when uncompressed)
+    sent_nbytes: int  # bytes this rank sent over its links
+    fp32_nbytes: int  # bytes it would have sent with a plain fp32 allreduce
     compress_s: float
     communicate_s: float  # from launching the collective to its completion
     decompress_s: float
 
 
 class Trace:
-    """Per-step sums of BucketRecords for the last `keep_steps` steps, and totals over all steps.
+    """Per-step sums of GroupRecords for the last `keep_steps` steps, and totals over all steps.
 
     Records arrive from the collectives' completion callbacks, so access is locked.
     """
@@ -50,10 +52,10 @@ class Trace:
         self._total = _empty()
         self._lock = threading.Lock()
 
-    def record(self, rec: BucketRecord) -> None:
+    def record(self, rec: GroupRecord) -> None:
         row = asdict(rec)
-        row["buckets"] = 1
-        row["compressed_buckets"] = int(rec.compressed)
+        row["groups"] = 1
+        row["compressed_groups"] = int(rec.codec != "none")
         with self._lock:
             step = self._steps.get(rec.step)
             if step is None:
@@ -67,8 +69,8 @@ class Trace:
     def stats(self) -> dict[str, Any]:
         """{"steps": per-step sums (oldest first), "last_step": the newest, "total": all steps}.
 
-        Each sum has buckets, compressed_buckets, numel, payload_bytes, bytes_sent, bytes_fp32,
-        compress_s, communicate_s, decompress_s and compression_ratio (bytes_fp32 / bytes_sent,
+        Each sum has groups, compressed_groups, numel, payload_nbytes, sent_nbytes, fp32_nbytes,
+        compress_s, communicate_s, decompress_s and compression_ratio (fp32_nbytes / sent_nbytes,
         None when nothing was sent, as in a world of one).
         """
         with self._lock:
@@ -90,5 +92,5 @@ def _empty() -> dict[str, Any]:
 
 
 def _with_ratio(row: dict[str, Any]) -> dict[str, Any]:
-    row["compression_ratio"] = row["bytes_fp32"] / row["bytes_sent"] if row["bytes_sent"] else None
+    row["compression_ratio"] = row["fp32_nbytes"] / row["sent_nbytes"] if row["sent_nbytes"] else None
     return row

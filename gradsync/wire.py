@@ -132,7 +132,7 @@ def unpack_fields(words: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 
 def index_format(numel: int, count: int) -> str:
-    """"bitmap" (one bit per element) where it is smaller than "coo" (an int32 per index).
+    """ "bitmap" (one bit per element) where it is smaller than "coo" (an int32 per index).
 
     The choice depends only on the tensor's size and the number of indices, which every decoder
     knows from the payload, so no format tag crosses the wire. The bitmap wins above a density

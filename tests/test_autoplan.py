@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from gradsync import autoplan, plan
+from gradsync import autoplan, tuner
 from gradsync.config import SyncConfig
 from gradsync.cost import LinearFit
 from gradsync.sim import cluster as clusters
 from gradsync.sim.compute import Compute, Gradient
-from gradsync.sim.strategy import parse
+from gradsync.strategy import parse
 
 
 def fit(fixed_s: float, per_unit_s: float) -> LinearFit:
@@ -23,7 +23,7 @@ def fit(fixed_s: float, per_unit_s: float) -> LinearFit:
 
 
 def test_the_timeline_is_the_median_over_steps_of_hand_fed_marks() -> None:
-    timer = autoplan.StepTimer(nn.Linear(2, 2))
+    timer = tuner.StepTimer(nn.Linear(2, 2))
     timer.close()
     # Three steps: forward from f0 to f1; parameter 0 ready at f1 + r0, parameter 1 at f1 + r1;
     # the exchange done at `synced`; the next step's forward at the next f0.
@@ -46,7 +46,7 @@ def test_the_timeline_is_the_median_over_steps_of_hand_fed_marks() -> None:
 def test_the_timer_marks_real_steps_in_backprop_order_and_stops_when_closed() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    timer = autoplan.StepTimer(model)
+    timer = tuner.StepTimer(model)
     for _ in range(2):
         model(torch.randn(5, 8)).square().mean().backward()
     assert len(timer.forward_start) == len(timer.forward_end) == len(timer.ready) == 2
@@ -85,7 +85,7 @@ def _measured() -> autoplan.Measured:
 def test_candidates_weigh_compressing_against_not_without_repeats() -> None:
     config = SyncConfig(compressor="topk", compressor_args={"ratio": 0.01}, plan="auto")
     found = autoplan.candidates(_measured(), config, "sig", buckets=[(3, 2), (1, 0)])
-    ranked = plan.make_all(
+    ranked = autoplan.make_all(
         _measured().compute,
         _measured().cluster,
         "topk",
@@ -111,6 +111,7 @@ def test_codec_specs_name_codecs_as_strategies_do_and_warmup_covers_the_probes()
     specs = autoplan.codec_specs(config)
     assert specs == ["fp16", "bf16", parse("topk:ratio=0.01:mode=sampled").spec]
     assert autoplan.codec_specs(SyncConfig(compressor="none", plan="auto")) == ["fp16", "bf16"]
-    probing = 1 + autoplan.MEASURED + autoplan.CANDIDATES * autoplan.STEPS_EACH
-    assert autoplan.warmup_steps(config) == max(config.warmup_steps, probing)
-    assert autoplan.warmup_steps(SyncConfig(warmup_steps=probing + 5, plan="auto")) == probing + 5
+    probing = autoplan.CANDIDATES * tuner.STEPS_EACH
+    # Probing starts after the measured steps, or after the config's warm-up if that is longer.
+    assert tuner.warmup_steps(config) == max(config.warmup_steps, tuner.MEASURED + 1) + probing
+    assert tuner.warmup_steps(SyncConfig(warmup_steps=2, plan="auto")) == tuner.MEASURED + 1 + probing

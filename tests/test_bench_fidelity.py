@@ -12,7 +12,7 @@ from gradsync.profile import Profile
 
 
 def test_each_trained_strategy_maps_to_the_exchange_it_runs():
-    assert fidelity.sim_text("ddp") == "fp32"
+    assert fidelity.sim_text("ddp") == "none"
     assert fidelity.sim_text("fp16:warmup=2") == "fp16"
     assert fidelity.sim_text("qsgd:warmup=2:ef=none") == "qsgd"
     assert fidelity.sim_text("int8") == "int8"

@@ -49,7 +49,7 @@ def test_bits_per_element_match_each_codecs_payload_bytes(results):
         expected = 8 * codec.payload_bytes(NUMEL) / NUMEL
         assert r.bits_per_element == pytest.approx(expected, rel=1e-12), r.label
     by_label = {r.label: r for r in results}
-    assert by_label["identity"].bits_per_element == 32
+    assert by_label["none"].bits_per_element == 32
     assert by_label["fp16"].bits_per_element == 16
 
 
@@ -69,7 +69,7 @@ def test_targets_are_set_exactly_for_labels_with_one_and_judged_by_the_ratio(res
         else:
             assert r.meets_target == (r.ratio <= r.target), r.label
     by_label = {r.label: r for r in results}
-    assert all(by_label[label].target is None for label in ("identity", "topk", "powersgd"))
+    assert all(by_label[label].target is None for label in ("none", "topk", "powersgd"))
     assert (by_label["fp16"].target, by_label["topk-sampled"].target, by_label["qsgd"].target) == (2, 4, 6)
 
 
@@ -99,12 +99,12 @@ def test_thread_count_is_restored_when_the_run_fails(two_threads):
 
 
 def test_labels_select_variants_in_benchmark_order():
-    results = kernels.run(numel=NUMEL, repeats=1, labels=["topk-sampled", "identity"])
-    assert [r.label for r in results] == ["identity", "topk-sampled"]
+    results = kernels.run(numel=NUMEL, repeats=1, labels=["topk-sampled", "none"])
+    assert [r.label for r in results] == ["none", "topk-sampled"]
 
 
 def test_unknown_label_names_it_and_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown label\(s\) \['nope'\]; valid labels: identity, fp16"):
+    with pytest.raises(ValueError, match=r"unknown label\(s\) \['nope'\]; valid labels: none, fp16"):
         kernels.run(numel=NUMEL, repeats=1, labels=["fp16", "nope"])
 
 

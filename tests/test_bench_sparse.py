@@ -224,7 +224,7 @@ def _raw(seconds: dict[str, list[float]]) -> dict:
                 "cpu_seconds": [0.01] * len(times),
                 "cpu_user_seconds": [0.006] * len(times),
                 "cpu_system_seconds": [0.004] * len(times),
-                "bytes_sent": [1000, 1200],
+                "sent_nbytes": [1000, 1200],
                 "wire_bytes": None,
                 "push_imbalance": 1.05 if name in ("balanced", "range") else None,
                 "pull_imbalance": 1.08 if name == "balanced" else (4.0 if name == "range" else None),
@@ -238,7 +238,7 @@ def _raw(seconds: dict[str, list[float]]) -> dict:
         "width": 2,
         "value_nbytes": 4,
         "rank_rows": [{"rows": 3, "index_sum": 3}, {"rows": 2, "index_sum": 2}],
-        "calibrated": {"alpha_s": 1e-3, "bandwidth_Bps": 1e8},
+        "calibrated": {"alpha_s": 1e-3, "bytes_per_s": 1e8},
         "description": "hand-made",
         "schemes": schemes,
     }
@@ -250,14 +250,14 @@ def document() -> dict:
         "dense": [1.0, 1.2, 0.9, 1.1, 5.0],
         "agsparse": [0.3, 0.3, 0.3, 0.3, 0.3],
         "balanced": [0.1, 0.1, 0.2, 0.1, 0.1],
-        "hierarchical": [0.2, 0.2, 0.2, 0.2, 0.2],
+        "recursive-doubling": [0.2, 0.2, 0.2, 0.2, 0.2],
         "range": [0.4, 0.4, 0.4, 0.4, 0.4],
     }
     sets = [_t(0, 1, 2), _t(0, 1)]
     network = cost.Network(1e-3, 1e8, round_s={"all_to_all": 2e-3})
     at_hosts = {
         **sb.traffic_by_scheme(sets, 64, 2, 4, network),
-        "network": {"alpha_s": 1e-3, "bandwidth_Bps": 1e8, "round_s": {"all_to_all": 2e-3}},
+        "network": {"alpha_s": 1e-3, "bytes_per_s": 1e8, "round_s": {"all_to_all": 2e-3}},
     }
     section = sb.summarize_input(
         _raw(times), sb.measure(sets, 64, 2, 4), at_hosts, sb.model(sets, 64, 2, 4, [2], cost.Network())
@@ -266,7 +266,7 @@ def document() -> dict:
     meta = {
         "options": {**vars(options), "inputs": list(options.inputs), "schemes": list(options.schemes)},
         "network": train.loopback().to_dict(),
-        "model_network": {"alpha_s": 50e-6, "bandwidth_Bps": 1.25e8},
+        "model_network": {"alpha_s": 50e-6, "bytes_per_s": 1.25e8},
         "machine": {"cores": 2},
     }
     return {"meta": meta, "inputs": [section]}
@@ -434,7 +434,7 @@ def test_a_real_run_times_and_checks_every_scheme_on_every_input(real_run):
             assert s["checks"] == 4 and s["max_error"] <= 1e-5 * max(1.0, s["max_error"])
             assert s["p90_s"] >= s["median_s"] > 0
         # The algorithm's byte counts are the cost model's on the same rows.
-        for name in ("dense", "agsparse", "hierarchical"):
+        for name in ("dense", "agsparse", "recursive-doubling"):
             assert by_name[name]["bytes_sent_mean"] == pytest.approx(by_name[name]["model_bytes"])
         assert by_name["balanced"]["push_imbalance"] == pytest.approx(
             section["sparsity"]["hash"]["push_imbalance"]

@@ -97,7 +97,7 @@ def _raw(strategy: str, step_s: float, losses: list[float], compression: float |
         "params": 1000,
         "samples_per_step": 64,
         "step_s": [10.0] * 11 + [step_s] * (steps - 11),  # slow warm-up steps must not count
-        "bytes_sent": [4000] * 11 + [400] * (steps - 11),
+        "sent_nbytes": [4000] * 11 + [400] * (steps - 11),
         "compression_s": [compression] * steps,
         "wire_bytes_per_step": None,
         "compute_s": [0.1, 0.1, 0.1],
@@ -142,7 +142,7 @@ def test_p90_is_the_ninetieth_percentile_of_steady_steps():
     options = train.BenchOptions(strategies=("ddp",), steps=31)
     raw = _raw("ddp", 1.0, [2.0, 1.0])
     raw["step_s"] = [9.0] * 11 + [float(i) for i in range(1, 21)]
-    raw["bytes_sent"] = [1] * 31
+    raw["sent_nbytes"] = [1] * 31
     raw["compression_s"] = [None] * 31
     run = train.summarize([raw], {}, options)["runs"][0]
     assert run["step_median_s"] == statistics.median(range(1, 21))

@@ -24,7 +24,7 @@ def test_simulate_prints_each_strategy_and_writes_the_gantt(tmp_path, capsys):
             "--inter",
             "25gbit",
             "--strategy",
-            "fp32,fp16",
+            "none,fp16",
             "--strategy",
             "topk:ratio=0.01",
             "--gantt",
@@ -35,14 +35,14 @@ def test_simulate_prints_each_strategy_and_writes_the_gantt(tmp_path, capsys):
     assert code == 0
     assert "109,482,240 parameters" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "strategy" not in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["fp32", "fp16", "topk:ratio=0.01"]
+    assert [row.split("|")[1].strip() for row in rows] == ["none", "fp16", "topk:ratio=0.01"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_simulate_json_matches_the_table(capsys):
     assert (
         main(
-            ["simulate", "--model", "resnet50", "--nodes", "2", "--strategy", "fp32", "--gantt", "", "--json"]
+            ["simulate", "--model", "resnet50", "--nodes", "2", "--strategy", "none", "--gantt", "", "--json"]
         )
         == 0
     )
@@ -56,7 +56,7 @@ def test_simulate_json_matches_the_table(capsys):
     ("argv", "match"),
     [
         (["--model", "alexnet"], "unknown model 'alexnet'"),
-        (["--strategy", "qsgd:exchange=allreduce"], "not summable"),
+        (["--strategy", "qsgd:collective=allreduce"], "cannot be summed"),
         (["--inter", "fast"], "not a rate"),
         (["--device", "tpu"], "unknown device"),
         (["--groups", "some"], "--groups 'some'"),
@@ -73,7 +73,7 @@ def test_simulate_refuses_bad_input_with_exit_code_2(argv, match, capsys):
 
 def test_bench_sim_tables_scale_and_predictions(tmp_path):
     options = simulator.SimBenchOptions(
-        models=("resnet50", "bert-base"), scale_workers=(64,), strategies=("fp32", "fp16"), repeats=1
+        models=("resnet50", "bert-base"), scale_workers=(64,), strategies=("none", "fp16"), repeats=1
     )
     document = simulator.run(options)
     assert [(r["model"], r["grouping"]) for r in document["scale"]] == [

@@ -10,9 +10,9 @@ import pytest
 from gradsync import cost
 from gradsync.cost import LinearFit, Link
 
-LINK = Link(alpha_s=1e-5, bandwidth_Bps=1e9)
-INTRA = Link(alpha_s=1e-6, bandwidth_Bps=1e11)
-NO_LATENCY = Link(alpha_s=0.0, bandwidth_Bps=1e9)
+LINK = Link(alpha_s=1e-5, bytes_per_s=1e9)
+INTRA = Link(alpha_s=1e-6, bytes_per_s=1e11)
+NO_LATENCY = Link(alpha_s=0.0, bytes_per_s=1e9)
 SIZES = [0.0, 4.0, 1e3, 1e6, 64e6]
 
 
@@ -30,10 +30,10 @@ def test_transfer_is_alpha_plus_bytes_over_bandwidth() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"alpha_s": 1e-5, "bandwidth_Bps": 0}, "bandwidth_Bps=0"),
-        ({"alpha_s": 1e-5, "bandwidth_Bps": -1.0}, "bandwidth_Bps=-1.0"),
-        ({"alpha_s": -1e-05, "bandwidth_Bps": 1e9}, "alpha_s=-1e-05"),
-        ({"alpha_s": float("nan"), "bandwidth_Bps": 1e9}, "alpha_s=nan"),
+        ({"alpha_s": 1e-5, "bytes_per_s": 0}, "bytes_per_s=0"),
+        ({"alpha_s": 1e-5, "bytes_per_s": -1.0}, "bytes_per_s=-1.0"),
+        ({"alpha_s": -1e-05, "bytes_per_s": 1e9}, "alpha_s=-1e-05"),
+        ({"alpha_s": float("nan"), "bytes_per_s": 1e9}, "alpha_s=nan"),
     ],
 )
 def test_link_rejects_unphysical_values_naming_them(kwargs: dict[str, float], named: str) -> None:
@@ -120,7 +120,7 @@ def test_all_to_all_sums_each_rounds_largest_message() -> None:
         [300, 0, 400],
         [500, 600, 0],
     ]
-    link = Link(alpha_s=1.0, bandwidth_Bps=100.0)
+    link = Link(alpha_s=1.0, bytes_per_s=100.0)
     # round 1 (i -> i+1): 100, 400, 500 -> 500 B; round 2 (i -> i+2): 200, 300, 600 -> 600 B
     assert cost.all_to_all_s(send, link) == approx(2 * 1.0 + (500 + 600) / 100)
 

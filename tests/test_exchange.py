@@ -11,6 +11,7 @@ import torch
 
 from gradsync import compress, exchange
 from gradsync.comm import LocalComm
+from gradsync.exchange import Route
 
 VOTERS = [n for n in compress.names() if compress.lookup(n).majority_vote]
 NUMELS = [1, 30, 31, 32, 1000]  # below, at and above one int32 word of 31 one-bit fields
@@ -47,18 +48,18 @@ def test_a_vote_of_one_is_the_sign_of_the_input_with_zeros_positive(
 ) -> None:
     # Signum's first step signs (1 - beta) x, whose sign is x's for these magnitudes.
     x = with_zeros(numel, dtype)
-    result = exchange.start(build(name), x.clone(), LocalComm()).wait()
+    result = exchange.start(build(name), x.clone(), Route(LocalComm())).wait()
     assert result.finite
     assert result.total.dtype == dtype
     assert torch.equal(result.total, torch.where(x >= 0, 1.0, -1.0).to(dtype))
-    assert result.payload_bytes == vote_payload_bytes(numel, 1)
-    assert result.bytes_sent == 0  # a ring of one sends nothing
+    assert result.payload_nbytes == vote_payload_bytes(numel, 1)
+    assert result.sent_nbytes == 0  # a ring of one sends nothing
 
 
 @pytest.mark.parametrize("name", compress.names())
 def test_a_non_finite_input_is_flagged_and_gives_no_total(name: str) -> None:
     # The caller passes finite=False; the codec gets zeros, so its own payload says nothing.
-    result = exchange.start(build(name), torch.randn(500), LocalComm(), finite=False).wait()
+    result = exchange.start(build(name), torch.randn(500), Route(LocalComm()), finite=False).wait()
     assert not result.finite
     assert result.total is None
 
@@ -68,19 +69,19 @@ def test_a_non_finite_input_is_flagged_and_gives_no_total(name: str) -> None:
 def test_payload_bytes_exclude_the_flag(name: str, finite: bool) -> None:
     numel = 1000
     codec = build(name)
-    result = exchange.start(codec, torch.randn(numel), LocalComm(), finite=finite).wait()
+    result = exchange.start(codec, torch.randn(numel), Route(LocalComm()), finite=finite).wait()
     if codec.majority_vote:
-        assert result.payload_bytes == vote_payload_bytes(numel, 1)
+        assert result.payload_nbytes == vote_payload_bytes(numel, 1)
     elif codec.rounds > 1 and not finite:  # the flag of the first round ends the exchange
-        assert 0 < result.payload_bytes < codec.payload_bytes(numel)
+        assert 0 < result.payload_nbytes < codec.payload_bytes(numel)
     else:
-        assert result.payload_bytes == codec.payload_bytes(numel)
+        assert result.payload_nbytes == codec.payload_bytes(numel)
 
 
 def test_a_payload_that_overflows_its_float_type_is_not_finite() -> None:
     # Finite in fp32, inf once cast to fp16: the flag says finite, the payload does not.
     x = torch.full((100,), 1e5)
-    result = exchange.start(build("fp16"), x, LocalComm()).wait()
+    result = exchange.start(build("fp16"), x, Route(LocalComm())).wait()
     assert not result.finite
     assert result.total is None
     assert not math.isfinite(float(x.to(torch.float16)[0]))

@@ -20,6 +20,7 @@ from gradsync import SyncConfig, SyncState, compress, exchange, feedback
 from gradsync.comm import LocalComm
 from gradsync.compress.sparse import at_least, sampled_topk
 from gradsync.ddp import _derive_seed
+from gradsync.exchange import Route
 
 Case = tuple[str, dict[str, Any]]
 
@@ -101,7 +102,7 @@ def test_sub_decoded_is_bit_identical_to_subtracting_the_decoded_tensor(
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_remove_local_is_bit_identical_to_subtracting_local(case: Case) -> None:
     x = with_signed_zeros(1000)
-    result = exchange.start(make(case), x.clone(), LocalComm()).wait()
+    result = exchange.start(make(case), x.clone(), Route(LocalComm())).wait()
     expected = x - result.local()
     got = x.clone()
     assert result.remove_local_(got) is got
@@ -128,7 +129,7 @@ def gradients(steps: int, numel: int = 1000) -> list[torch.Tensor]:
 
 def ef_step(fb: feedback.Feedback, codec: compress.Compressor, g: torch.Tensor) -> exchange.Exchanged:
     p = fb.prepare(g)
-    result = exchange.start(codec, p, LocalComm()).wait()
+    result = exchange.start(codec, p, Route(LocalComm())).wait()
     fb.update(g, p, result.local, result.total, result.remove_local_)
     return result
 
@@ -152,7 +153,7 @@ def test_ef_alternates_between_two_buffers_and_allocates_none_per_step() -> None
     for g in gradients(6):
         p = fb.prepare(g)
         addresses.append(p.data_ptr())
-        result = exchange.start(codec, p, LocalComm()).wait()
+        result = exchange.start(codec, p, Route(LocalComm())).wait()
         fb.update(g, p, result.local, result.total, result.remove_local_)
         assert fb.error is p  # the residual was taken in p itself
     assert len(set(addresses[1:])) == 2
@@ -221,7 +222,7 @@ def reference_outputs(config: SyncConfig, gs: list[torch.Tensor]) -> list[torch.
     outs = []
     for g in gs:
         p = {"none": g, "ef": g + e, "ef21": g - h_local, "econtrol": (g - h_local).add_(e, alpha=eta)}[form]
-        result = exchange.start(codec, p, LocalComm()).wait()
+        result = exchange.start(codec, p, Route(LocalComm())).wait()
         out = result.total
         if form == "ef":
             e = p - result.local()
@@ -237,12 +238,16 @@ def reference_outputs(config: SyncConfig, gs: list[torch.Tensor]) -> list[torch.
 
 def takes_feedback(name: str) -> bool:
     codec = compress.lookup(name)
-    return not (codec.owns_memory or codec.majority_vote)
+    return name != "none" and not (codec.owns_memory or codec.majority_vote)
 
 
 # Every (codec, form) pair SyncConfig accepts, and the benchmark's setting: sampled top-k with ef.
 PAIRS: list[tuple[str, dict[str, Any], str]] = [
-    (n, {}, f) for n in compress.names() for f in feedback.names() if f == "none" or takes_feedback(n)
+    (n, {}, f)
+    for n in compress.names()
+    if n != "none"  # compressor="none" is no compression: the plain allreduce
+    for f in feedback.names()
+    if f == "none" or takes_feedback(n)
 ] + [("topk", {"ratio": 0.05, "mode": "sampled"}, "ef"), ("threshold", {"threshold": 0.5}, "ef")]
 
 
@@ -262,18 +267,23 @@ def test_sync_outputs_are_bit_identical_to_the_reference_path(name: str, args: d
         assert same_bits(out, expected)
 
 
-def test_ef_sync_decodes_the_allgathered_sum_into_the_bucket() -> None:
-    config = SyncConfig(compressor="topk", error_feedback="ef", warmup_steps=2, min_compress_numel=0)
+@pytest.mark.parametrize("form", ["ef", "none"])
+def test_sync_decodes_the_allgathered_sum_into_the_bucket_where_nothing_reads_it_after(form: str) -> None:
+    # With ef the bucket is not what was compressed (p is); without feedback nothing decodes this
+    # rank's payload again; EF21 reads only the bucket's shape.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        config = SyncConfig(compressor="topk", error_feedback=form, warmup_steps=2, min_compress_numel=0)
     state = past_warmup(config)
     for g in gradients(3, 600):
         buffer = g.clone()
         assert state.sync(buffer, 0, True).wait() is buffer
-    assert state.stats()["total"]["compressed_buckets"] == 3
+    assert state.stats()["total"]["compressed_groups"] == 3
 
 
-@pytest.mark.parametrize("form", ["none", "econtrol"])
+@pytest.mark.parametrize("form", ["econtrol"])
 def test_sync_leaves_the_bucket_alone_where_something_still_reads_it(form: str) -> None:
-    # Without feedback the bucket is what was compressed; EControl's update reads the gradient.
+    # EControl's update reads the gradient.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         config = SyncConfig(compressor="topk", error_feedback=form, warmup_steps=2, min_compress_numel=0)
@@ -283,13 +293,13 @@ def test_sync_leaves_the_bucket_alone_where_something_still_reads_it(form: str) 
         out = state.sync(buffer, 0, True).wait()
         assert out is not buffer
         assert same_bits(buffer, g)  # divided by a world size of one
-    assert state.stats()["total"]["compressed_buckets"] == 3
+    assert state.stats()["total"]["compressed_groups"] == 3
 
 
 def test_exchange_refuses_an_out_unlike_x() -> None:
     x = torch.randn(10)
     with pytest.raises(ValueError, match="must match x"):
-        exchange.start(compress.build("topk"), x, LocalComm(), out=torch.empty(11))
+        exchange.start(compress.build("topk"), x, Route(LocalComm()), out=torch.empty(11))
 
 
 # -- sparse selection -------------------------------------------------------------------------------

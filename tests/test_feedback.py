@@ -29,7 +29,7 @@ def codec_args(name: str) -> dict[str, Any]:
 CODECS: list[tuple[str, dict[str, Any]]] = [
     (name, codec_args(name))
     for name in compress.names()
-    if name != "identity" and not (compress.lookup(name).owns_memory or compress.lookup(name).majority_vote)
+    if name != "none" and not (compress.lookup(name).owns_memory or compress.lookup(name).majority_vote)
 ]
 CODEC_IDS = [name for name, _ in CODECS]
 FORMS = feedback.names()
@@ -96,7 +96,7 @@ def test_ef_conserves_gradient_plus_error_as_decoded_plus_new_error(name: str, a
 
 def test_ef_with_a_lossless_codec_returns_the_gradient_and_keeps_zero_error() -> None:
     fb = feedback.build("ef")
-    codec = compress.build("identity")
+    codec = compress.build("none")
     for g in gradients():
         step = Step(fb, codec, g)
         assert torch.equal(step.out, g)

@@ -19,16 +19,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
-from gradsync import SyncConfig, SyncState, autoplan, compress, exchange
-from gradsync.comm import LocalComm, completed
+from gradsync import SyncConfig, SyncState, compress, exchange, tuner
+from gradsync.api import read_plan
+from gradsync.comm import LocalComm
+from gradsync.exchange import Route
 from gradsync.plan import GroupPlan, Plan, signature
 from gradsync.regroup import Regroup
+from gradsync.tuner import AutoState
 
 WARMUP = 2
 VOCAB, DIM, CONTEXT, WIDTH, CLASSES = 40, 8, 2, 16, 4
 # Net's parameters: 0 embed.weight (320), 1 hidden.weight (256), 2 hidden.bias (16),
 # 3 out.weight (64), 4 out.bias (4).
-GROUPS = [((4, 3), "fp32"), ((2, 1), "fp16:exchange=allgather"), ((0,), "topk:ratio=0.1:exchange=sparse")]
+GROUPS = [((4, 3), "none"), ((2, 1), "fp16:collective=allgather"), ((0,), "topk:ratio=0.1:scheme=auto")]
 
 
 class Net(nn.Module):
@@ -75,32 +78,34 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 # -- SyncConfig(plan=...) ---------------------------------------------------------------------------
 
 
-def test_a_plan_file_gives_the_same_config_as_the_plan_it_holds(tmp_path: Path) -> None:
+def test_a_plan_file_reads_back_as_the_plan_it_holds(tmp_path: Path) -> None:
     plan = make_plan(Net(), GROUPS)
     path = tmp_path / "plan.json"
     plan.save(path)
-    from_file, from_object = config(plan=str(path)), config(plan=plan)
+    assert read_plan(str(path)) == read_plan(path) == read_plan(plan.to_dict()) == plan
+    from_file, from_object = config(plan=read_plan(path)), config(plan=plan)
     assert from_file == from_object
     assert from_file.fingerprint() == from_object.fingerprint()
     assert from_file.to_dict()["plan"] == plan.to_dict()
-    assert SyncConfig(**from_file.to_dict()) == from_file  # plain data rebuilds the same config
+    assert SyncConfig(**from_file.to_dict()).fingerprint() == from_file.fingerprint()  # plain data
+    assert config(plan=str(path)).to_dict()["plan"] == str(path)  # read by register(), not here
 
 
 def test_configs_with_different_plans_or_none_differ_and_fingerprint_differently() -> None:
     plan = make_plan(Net(), GROUPS)
-    other = make_plan(Net(), [((4, 3), "fp32"), ((2, 1), "fp16"), ((0,), "topk:ratio=0.1:exchange=sparse")])
+    other = make_plan(Net(), [((4, 3), "none"), ((2, 1), "fp16"), ((0,), "topk:ratio=0.1:scheme=auto")])
     configs = [config(), config(plan=plan), config(plan=other)]
     assert len({c.fingerprint() for c in configs}) == 3
     assert configs[1] != configs[2] and configs[0] != configs[1]
 
 
-def test_an_unknown_codec_in_a_plan_file_fails_when_the_config_is_made(tmp_path: Path) -> None:
+def test_an_unknown_codec_in_a_plan_file_fails_when_it_is_read(tmp_path: Path) -> None:
     data = make_plan(Net(), GROUPS).to_dict()
     data["groups"][1]["strategy"] = "zstd:level=3"
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError) as excinfo:
-        config(plan=str(path))
+        read_plan(str(path))
     message = str(excinfo.value)
     assert str(path) in message and "group 1" in message and "unknown codec 'zstd'" in message
     assert "topk" in message  # the codecs to choose from
@@ -110,24 +115,24 @@ def test_a_plan_file_that_is_not_json_fails_naming_the_file(tmp_path: Path) -> N
     path = tmp_path / "plan.json"
     path.write_text("{groups: ")
     with pytest.raises(ValueError, match=r"plan\.json.*must be JSON"):
-        config(plan=str(path))
+        read_plan(str(path))
 
 
 def test_a_plan_strategy_that_sets_a_seed_is_refused_naming_the_fix() -> None:
     plan = make_plan(Net(), [((4, 3, 2, 1, 0), "qsgd:seed=3")])
     with pytest.raises(ValueError, match=r"group 0.*'qsgd:seed=3'.*SyncConfig\(seed=\.\.\.\)"):
-        config(plan=plan)
+        read_plan(plan)
 
 
 def test_explicit_feedback_is_checked_against_every_compressed_group() -> None:
-    plan = make_plan(Net(), [((4, 3, 2, 1), "fp16"), ((0,), "dgc:ratio=0.1:exchange=sparse")])
+    plan = make_plan(Net(), [((4, 3, 2, 1), "fp16"), ((0,), "dgc:ratio=0.1:scheme=auto")])
     with pytest.raises(ValueError, match=r"'dgc' keeps its own error memory.*error_feedback='ef'"):
         config(plan=plan, error_feedback="ef")
     # The compressor field names no codec of the plan, so it has no say in feedback.
     assert config(plan=plan, compressor="dgc").feedback_for("fp16") == "none"
-    fp32_only = make_plan(Net(), [((4, 3, 2, 1, 0), "fp32")])
-    with pytest.raises(ValueError, match="the plan compresses no group"):
-        config(plan=fp32_only, error_feedback="ef")
+    uncompressed = make_plan(Net(), [((4, 3, 2, 1, 0), "none")])
+    with pytest.warns(UserWarning, match="no effect: the plan compresses no group"):
+        config(plan=uncompressed, error_feedback="ef")
 
 
 def test_auto_feedback_resolves_for_each_groups_codec() -> None:
@@ -139,7 +144,7 @@ def test_plan_auto_registers_a_planner_that_has_not_planned_yet(one_rank: None) 
     cfg = config(plan="auto")
     assert cfg.plan == "auto" and cfg.to_dict()["plan"] == "auto"
     state = gradsync.register(DistributedDataParallel(Net()), cfg)
-    assert state.auto is not None and state.plan is None
+    assert isinstance(state, AutoState) and state.plan is None
     assert state.stats()["auto"]["adopted_at_step"] is None
 
 
@@ -154,12 +159,12 @@ def test_plan_auto_plans_every_trainable_parameter_even_one_never_used(one_rank:
     state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()
-    for step in range(autoplan.warmup_steps(state.config) + 2):
+    for step in range(tuner.warmup_steps(state.config) + 2):
         words, labels = batch(step)
         optimizer.zero_grad()
         loss_fn(model(words), labels).backward()
         optimizer.step()
-    assert state.auto is not None and state.auto.done and state.plan is not None
+    assert isinstance(state, AutoState) and state.done and state.plan is not None
     covered = sorted(p for group in state.plan.groups for p in group.params)
     assert covered == list(range(len(list(model.parameters()))))
     state.plan.check(model, 1)  # the plan it made fits the model
@@ -175,16 +180,16 @@ def test_plan_auto_refuses_sparse_gradients_before_training(one_rank: None) -> N
 
 
 def _other_width_plan() -> Plan:
-    return make_plan(Net(width=WIDTH + 1), [((4, 3, 2, 1, 0), "fp32")])
+    return make_plan(Net(width=WIDTH + 1), [((4, 3, 2, 1, 0), "none")])
 
 
 BAD_PLANS = {
     "a parameter in no group": (
-        lambda: make_plan(Net(), [((4, 3), "fp32"), ((2, 1), "fp16")]),
+        lambda: make_plan(Net(), [((4, 3), "none"), ((2, 1), "fp16")]),
         r"trainable parameters \[0\] are in no group",
     ),
     "a parameter in two groups": (
-        lambda: make_plan(Net(), [((4, 3, 2), "fp32"), ((2, 1, 0), "fp16")]),
+        lambda: make_plan(Net(), [((4, 3, 2), "none"), ((2, 1, 0), "fp16")]),
         r"parameter 2 is in plan groups 0 and 1",
     ),
     "another model": (_other_width_plan, r"made for another model .* parameter names or shapes differ"),
@@ -193,8 +198,8 @@ BAD_PLANS = {
         r"made for 4 ranks but runs on 1.*--world 1",
     ),
     "hierarchical exchange": (
-        lambda: make_plan(Net(), [((4, 3, 2, 1), "fp32"), ((0,), "qsgd:exchange=hierarchical")]),
-        r"plan group 1 \(strategy 'qsgd:exchange=hierarchical'\).*does not build yet.*exchange=allgather",
+        lambda: make_plan(Net(), [((4, 3, 2, 1), "none"), ((0,), "qsgd:collective=two-level")]),
+        r"plan group 1 \(strategy 'qsgd:collective=two-level'\).*does not build yet.*collective=allgather",
     ),
 }
 
@@ -209,14 +214,14 @@ def test_register_refuses_a_bad_plan_before_training(one_rank: None, case: str) 
 
 def test_register_refuses_a_plan_group_holding_a_sparse_gradient(one_rank: None) -> None:
     model = DistributedDataParallel(Net(sparse_embedding=True))
-    plan = make_plan(model, [((4, 3, 2, 1), "fp32"), ((0,), "fp32:exchange=sparse")])
+    plan = make_plan(model, [((4, 3, 2, 1), "none"), ((0,), "none:scheme=auto")])
     with pytest.raises(ValueError, match=r"plan group 1 .*parameters \[0\] have sparse \(COO\) gradients"):
         gradsync.register(model, config(plan=plan))
 
 
 def test_on_cpu_runs_on_a_cpu_model_as_on_device(one_rank: None) -> None:
     model = DistributedDataParallel(Net())
-    plan = make_plan(model, [((4, 3, 2, 1), "fp32"), ((0,), "topk:ratio=0.1:on=cpu")])
+    plan = make_plan(model, [((4, 3, 2, 1), "none"), ((0,), "topk:ratio=0.1:on=cpu")])
     state = gradsync.register(model, config(plan=plan))
     _train(model, WARMUP + 1)
     assert state.stats()["groups"][1]["codec"] == "topk"
@@ -245,7 +250,7 @@ def test_each_group_is_synced_by_its_own_strategy(one_rank: None) -> None:
     state = gradsync.register(model, config(plan=plan))
     _train(model, WARMUP)
     assert state.stats()["groups"] == [None, None, None]  # warm-up: DDP's buckets, no group ran
-    assert state.stats()["total"]["compressed_buckets"] == 0
+    assert state.stats()["total"]["compressed_groups"] == 0
 
     _train(model, 1, first=WARMUP)  # the first compressed step: error memories are still empty
     local = _local_gradients(reference, WARMUP)
@@ -262,53 +267,58 @@ def test_each_group_is_synced_by_its_own_strategy(one_rank: None) -> None:
     assert [g["group"] for g in groups] == [0, 1, 2]
     assert [g["strategy"] for g in groups] == [text for _, text in GROUPS]
     assert [g["codec"] for g in groups] == ["none", "fp16", "topk"]
-    assert [g["exchange"] for g in groups] == ["plain", "allgather", "sparse"]
+    assert [(g["collective"], g["scheme"]) for g in groups] == [
+        ("allreduce", None),
+        ("allgather", None),
+        ("allgather", "agsparse"),  # the selector's decision step gathers the rows
+    ]
     assert [g["feedback"] for g in groups] == ["none", "none", "ef"]
     assert [g["numel"] for g in groups] == [g.numel for g in plan.groups]
     assert [g["tensors"] for g in groups] == [2, 2, 1]
     assert all(g["step"] == WARMUP for g in groups)
-    assert groups[1]["payload_bytes"] == 2 * plan.groups[1].numel
+    assert groups[1]["payload_nbytes"] == 2 * plan.groups[1].numel
     last = state.stats()["last_step"]
-    assert (last["buckets"], last["compressed_buckets"]) == (3, 2)
+    assert (last["groups"], last["compressed_groups"]) == (3, 2)
     assert sorted(state.points) == [1, 2]  # compression points by group; fp32 has none
 
 
-# strategy -> the scheme it runs (gradsync.exchange.SCHEMES). The strategy syntax writes
-# exchange=allgather for every codec that is not summable; multi-round codecs and majority votes
-# still run their own scheme.
-SCHEMES = {
-    "fp32": "plain",
-    "fp32:exchange=sparse": "sparse",
-    "fp16": "allreduce",
-    "fp16:exchange=allgather": "allgather",
-    "topk:ratio=0.1": "allgather",
-    "topk:ratio=0.1:exchange=sparse": "sparse",
-    "qsgd": "allgather",
-    "powersgd:rank=1": "rounds",
-    "signsgd": "vote",
+# strategy -> (collective, sparse scheme) it runs. PowerSGD's rounds and the sign vote are
+# allreduces of their own.
+RUNS = {
+    "none": ("allreduce", None),
+    "none:scheme=agsparse": ("allreduce", "agsparse"),  # the embedding's rows; the rest allreduced
+    "fp16": ("allreduce", None),
+    "fp16:collective=allgather": ("allgather", None),
+    "topk:ratio=0.1": ("allgather", None),
+    "topk:ratio=0.1:scheme=balanced": ("allgather", "balanced"),
+    "qsgd": ("allgather", None),
+    "powersgd:rank=1": ("allreduce", None),
+    "signsgd": ("allreduce", None),
 }
 
 
-@pytest.mark.parametrize("text", SCHEMES)
+@pytest.mark.parametrize("text", RUNS)
 def test_each_strategy_runs_the_exchange_it_names(text: str) -> None:
-    plan = make_plan(Net(), [((4, 3, 2, 1, 0), text)])
-    # A forced sparse scheme: "auto" would send an fp32 group's dense gradients densely.
-    state = SyncState(config(plan=plan, sparse_scheme="agsparse"), LocalComm())
+    net = Net()
+    plan = make_plan(net, [((0, 1, 2, 3, 4), text)])
+    state = SyncState(config(plan=plan), LocalComm(), net)
     generator = torch.Generator().manual_seed(0)
     for _ in range(WARMUP + 1):
-        state.sync(torch.randn(plan.groups[0].numel, generator=generator), 0, is_last=True).wait()
+        grads = torch.randn(plan.groups[0].numel, generator=generator)
+        grads[: 10 * DIM] = 0  # embedding rows 0..9 untouched this step
+        state.sync(grads, 0, is_last=True, params=plan.groups[0].params).wait()
     group = state.stats()["groups"][0]
-    assert group["exchange"] == SCHEMES[text]
-    assert group["codec"] == ("none" if text.startswith("fp32") else text.split(":")[0])
+    assert (group["collective"], group["scheme"]) == RUNS[text]
+    assert group["codec"] == ("none" if text.startswith("none") else text.split(":")[0])
 
 
 def test_min_compress_numel_does_not_apply_to_plan_groups(one_rank: None) -> None:
     model = DistributedDataParallel(Net())
-    plan = make_plan(model, [((4,), "fp16"), ((3, 2, 1, 0), "fp32")])
+    plan = make_plan(model, [((4,), "fp16"), ((3, 2, 1, 0), "none")])
     state = gradsync.register(model, config(plan=plan, min_compress_numel=1 << 20))
     _train(model, WARMUP + 1)
     assert state.stats()["groups"][0]["codec"] == "fp16"  # 4 elements, compressed as planned
-    assert state.stats()["groups"][0]["exchange"] == "allreduce"
+    assert state.stats()["groups"][0]["collective"] == "allreduce"
 
 
 def _group_gradients(step: int) -> list[torch.Tensor]:
@@ -316,7 +326,7 @@ def _group_gradients(step: int) -> list[torch.Tensor]:
     return [torch.randn(group.numel, generator=generator) for group in _STATE_PLAN.groups]
 
 
-_STATE_PLAN = make_plan(Net(), [((4, 3), "qsgd"), ((2, 1), "fp32"), ((0,), "topk:ratio=0.1:exchange=sparse")])
+_STATE_PLAN = make_plan(Net(), [((4, 3), "qsgd"), ((2, 1), "none"), ((0,), "topk:ratio=0.1:scheme=auto")])
 
 
 def _sync_steps(state: SyncState, steps: range) -> list[torch.Tensor]:
@@ -350,28 +360,27 @@ def test_a_plan_state_resumes_bit_for_bit_from_its_state_dict() -> None:
 
 def test_a_state_saved_with_another_plan_is_refused() -> None:
     saved = SyncState(config(plan=_STATE_PLAN), LocalComm()).state_dict()
-    other = make_plan(Net(), [((4, 3), "fp16"), ((2, 1), "fp32"), ((0,), "topk:ratio=0.1:exchange=sparse")])
+    other = make_plan(Net(), [((4, 3), "fp16"), ((2, 1), "none"), ((0,), "topk:ratio=0.1:scheme=auto")])
     with pytest.raises(ValueError, match="resume with the same SyncConfig"):
         SyncState(config(plan=other), LocalComm()).load_state_dict(saved)
 
 
 def test_regroup_refuses_a_step_that_leaves_a_group_without_gradients() -> None:
-    regroup = Regroup(lambda flat, group, ends: completed(flat), {0: (0, 1), 1: (2,)})
+    regroup = Regroup({0: (0, 1), 1: (2,)})
     with pytest.raises(ValueError, match=r"group 1 needs the gradients of parameters \[2\]"):
         regroup.add(torch.ones(5), (0, 1), [2, 3], is_last=True)
 
 
-# -- exchange.start(allgather=True) ----------------------------------------------------------------
+# -- exchange.start(collective="allgather") ---------------------------------------------------------
 
 
 def test_exchange_allgathers_a_summable_payload_when_asked() -> None:
     x = torch.randn(1000)
-    fp16 = compress.build("fp16")
-    summed = exchange.start(fp16, x, LocalComm()).wait()
-    gathered = exchange.start(fp16, x, LocalComm(), allgather=True).wait()
-    assert (summed.scheme, gathered.scheme) == ("allreduce", "allgather")
+    summed = exchange.start(compress.build("fp16"), x, Route(LocalComm())).wait()
+    gathered = exchange.start(compress.build("fp16"), x, Route(LocalComm()), collective="allgather").wait()
+    assert (summed.collective, gathered.collective) == ("allreduce", "allgather")
     assert torch.equal(gathered.total, summed.total)
-    assert gathered.payload_bytes == 2 * x.numel()
+    assert gathered.payload_nbytes == 2 * x.numel()
 
 
 @pytest.mark.parametrize("name", ["powersgd", "signsgd"])
@@ -379,5 +388,7 @@ def test_exchange_refuses_to_allgather_codecs_without_a_decode_per_payload(name:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         codec = compress.build(name)
-    with pytest.raises(ValueError, match=rf"allgather=True with {type(codec).__name__}.*drop allgather=True"):
-        exchange.start(codec, torch.randn(64, 8), LocalComm(), allgather=True)
+    with pytest.raises(
+        ValueError, match=rf"collective='allgather' for {type(codec).__name__}.*allreduces of its own"
+    ):
+        exchange.start(codec, torch.randn(64, 8), Route(LocalComm()), collective="allgather")

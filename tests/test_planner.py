@@ -11,16 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from gradsync import plan, planner, schedule
+from gradsync import autoplan, plan, planner, schedule
 from gradsync.cost import LinearFit
 from gradsync.sim import cluster as clusters
 from gradsync.sim import compute as computes
 from gradsync.sim import engine, models, quick
 from gradsync.sim import groups as grouping
 from gradsync.sim.compute import Compute, Gradient
-from gradsync.sim.strategy import parse
+from gradsync.strategy import parse
 
-FLAT = ["fp32", "fp16", "topk:ratio=0.01", "qsgd", "efsignsgd", "topk:ratio=0.01:exchange=sparse"]
+FLAT = ["none", "fp16", "topk:ratio=0.01", "qsgd", "efsignsgd", "topk:ratio=0.01:scheme=auto"]
 OFFLOADED = ["topk:ratio=0.01:on=cpu", "qsgd:on=cpu"]
 
 
@@ -88,7 +88,7 @@ def test_a_two_level_exchange_is_held_no_shorter_than_the_engine_pipelines_it() 
     where = clusters.cluster(8, 8, "v100", "25gbit")
     work = computes.from_model(models.build("gpt2"), where.device)
     groups = grouping.equal(work.numels, 10)
-    for text in ("fp32:exchange=hierarchical", "topk:ratio=0.01:exchange=hierarchical"):
+    for text in ("none:collective=two-level", "topk:ratio=0.01:collective=two-level"):
         strategy = parse(text)
         costs = [quick.cost_vector(strategy, sum(work.numels[i] for i in g), where) for g in groups]
         fast = quick.layout(work, quick.ready_times(work, groups), np.array(costs)).step_s[0]
@@ -161,8 +161,8 @@ def test_strategies_that_tie_go_to_the_earlier_in_the_space() -> None:
 def test_cpu_offload_takes_the_groups_farthest_from_the_output_and_never_hurts() -> None:
     # A GPU whose memory is slow (compression on it is dear) and a fast CPU with a fast host link.
     base = clusters.cluster(4, 1, "v100", "1gbit")
-    device = dataclasses.replace(base.device, memory_Bps=2e9, pcie_Bps=1e12)
-    where = dataclasses.replace(base, device=device, cpu_Bps=5e10, cpu_threads=1)
+    device = dataclasses.replace(base.device, memory_bytes_per_s=2e9, pcie_bytes_per_s=1e12)
+    where = dataclasses.replace(base, device=device, cpu_bytes_per_s=5e10, cpu_threads=1)
     work = hand_made([1 << 22] * 4, [0.01, 0.02, 0.03, 0.04])
     groups = [[0], [1], [2], [3]]
     problem = planner.Problem(work, where, groups, planner.space(where, "topk", {"ratio": 0.01}))
@@ -200,18 +200,18 @@ def test_the_decision_is_within_3_percent_of_brute_force(seed: int) -> None:
 def test_the_space_follows_what_each_codec_and_cluster_allow() -> None:
     flat_gpus = clusters.cluster(1, 8, "v100", "25gbit")
     texts = [s.text for s in planner.space(flat_gpus, "topk", {"ratio": 0.01})]
-    assert texts[:3] == ["fp32", "fp16", "bf16"]
-    assert "topk:ratio=0.01:exchange=sparse" in texts and "topk:ratio=0.01:exchange=allreduce" not in texts
+    assert texts[:3] == ["none", "fp16", "bf16"]
+    assert "topk:ratio=0.01:scheme=auto" in texts and "topk:ratio=0.01:collective=allreduce" not in texts
     assert not any("hierarchical" in t for t in texts)  # one node
     assert "topk:ratio=0.01:on=cpu" in texts  # GPUs: a CPU thread may compress
     summable = [s.text for s in planner.space(flat_gpus, "randk", {"ratio": 0.01})]
-    assert "randk:ratio=0.01" in summable and "randk:ratio=0.01:exchange=allgather" in summable
+    assert "randk:ratio=0.01" in summable and "randk:ratio=0.01:collective=allgather" in summable
     assert not any(t.startswith("randk") and "sparse" in t for t in summable)
     two_level = [s.text for s in planner.space(clusters.cluster(2, 8, "v100", "25gbit"), "qsgd", {})]
-    assert "qsgd:exchange=hierarchical" in two_level and "fp32:exchange=hierarchical" in two_level
+    assert "qsgd:collective=two-level" in two_level and "none:collective=two-level" in two_level
     host = measured(allreduce=fit(1e-4, 1e-9), codec=fit(1e-4, 1e-9))
     on_host = [s.text for s in planner.space(host, "qsgd", {})]
-    assert on_host == ["fp32", "fp16", "bf16"]  # qsgd was not measured; no offload on CPU hosts
+    assert on_host == ["none", "fp16", "bf16"]  # qsgd was not measured; no offload on CPU hosts
 
 
 # -- merge scheduling ------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def test_the_search_is_deterministic_bounded_and_never_worse_than_what_it_tried(
 def test_a_plan_is_never_predicted_slower_than_any_uniform_strategy(model: str) -> None:
     where = clusters.cluster(4, 8, "v100", "25gbit")
     work = computes.from_model(models.build(model), where.device)
-    made = plan.make(work, where, "topk", {"ratio": 0.01}, model=f"sim:{model}", budget=40)
+    made = autoplan.make(work, where, "topk", {"ratio": 0.01}, model=f"sim:{model}", budget=40)
     groups = [list(g.params) for g in made.groups]
     buckets = grouping.ddp(work.numels)
     whole = {(b[0], b[-1]) for b in buckets}
@@ -263,15 +263,15 @@ def test_a_plan_is_never_predicted_slower_than_any_uniform_strategy(model: str) 
 def test_a_plan_file_round_trips_and_describes_every_group(tmp_path) -> None:
     where = clusters.cluster(2, 4, "v100", "25gbit")
     work = computes.from_model(models.build("lstm"), where.device)
-    made = plan.make(work, where, "qsgd", model="sim:lstm", budget=20)
+    made = autoplan.make(work, where, "qsgd", model="sim:lstm", budget=20)
     assert plan.Plan.from_json(made.to_json()) == made
     made.save(tmp_path / "plan.json")
     assert plan.Plan.load(tmp_path / "plan.json") == made
     text = made.describe()
     assert all(g.strategy in text and g.reason in text for g in made.groups)
     data = made.to_dict()
-    with pytest.raises(ValueError, match="version 2 is not 1"):
-        plan.Plan.from_dict({**data, "version": 2})
+    with pytest.raises(ValueError, match=r"version 1 is not 2.*make the plan afresh"):
+        plan.Plan.from_dict({**data, "version": 1})
     with pytest.raises(ValueError, match=r"lacks field\(s\) \['groups'\]"):
         plan.Plan.from_dict({k: v for k, v in data.items() if k != "groups"})
     with pytest.raises(ValueError, match="unknown codec 'zip'"):

@@ -31,15 +31,24 @@ def bucket(params: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...], list
     return torch.cat([g[p] for p in params]), params, [NUMELS[p] for p in params]
 
 
+def feed(regroup: Regroup, sync: RecordingSync, params: tuple[int, ...], is_last: bool):
+    """One bucket through the regrouping, as the hook does: the groups it completes are synced,
+    and the bucket's future assembles their results."""
+    buffer, params, numels = bucket(params)
+    ready = regroup.add(buffer, params, numels, is_last)
+    for k, (group, part) in enumerate(ready):
+        regroup.synced(group, sync(part, group, is_last and k == len(ready) - 1))
+    return regroup.bucket_result(buffer, params, numels)
+
+
 def test_groups_cut_across_buckets_are_synced_whole_in_their_saved_order() -> None:
     groups = {0: (5, 4, 3), 1: (2, 1, 0)}
     sync = RecordingSync()
-    regroup = Regroup(sync, groups)
+    regroup = Regroup(groups)
     buckets = [(4, 5), (2, 3), (0, 1)]  # every bucket straddles the groups' boundaries
     futures = []
     for i, params in enumerate(buckets):
-        buffer, params, numels = bucket(params)
-        futures.append((buffer.clone(), params, regroup.add(buffer, params, numels, i == len(buckets) - 1)))
+        futures.append((bucket(params)[0], params, feed(regroup, sync, params, i == len(buckets) - 1)))
 
     # Each group went to sync once, concatenated in its saved order; only the last ends the step.
     assert [(g, last) for g, last, _ in sync.calls] == [(0, False), (1, True)]
@@ -57,22 +66,22 @@ def test_groups_cut_across_buckets_are_synced_whole_in_their_saved_order() -> No
 
 
 def test_a_bucket_waits_for_a_group_completed_by_a_later_bucket() -> None:
-    regroup = Regroup(RecordingSync(), {0: (0, 1, 2, 3, 4, 5)})
-    first = regroup.add(*bucket((0, 1, 2)), is_last=False)
+    regroup, sync = Regroup({0: (0, 1, 2, 3, 4, 5)}), RecordingSync()
+    first = feed(regroup, sync, (0, 1, 2), is_last=False)
     assert not first.done()  # its group still lacks parameters 3, 4, 5
-    last = regroup.add(*bucket((3, 4, 5)), is_last=True)
+    last = feed(regroup, sync, (3, 4, 5), is_last=True)
     assert first.done() and last.done()
     assert torch.equal(first.wait(), bucket((0, 1, 2))[0])
 
 
 def test_an_unknown_parameter_is_refused_with_a_clear_error() -> None:
-    regroup = Regroup(RecordingSync(), {0: (0, 1)})
+    regroup = Regroup({0: (0, 1)})
     with pytest.raises(ValueError, match=r"parameter 2 .* is in no group"):
         regroup.add(*bucket((1, 2)), is_last=False)
 
 
 def test_a_group_left_incomplete_at_the_last_bucket_is_refused() -> None:
-    regroup = Regroup(RecordingSync(), {0: (0, 1), 1: (2, 3), 2: (4,)})
+    regroup = Regroup({0: (0, 1), 1: (2, 3), 2: (4,)})
     regroup.add(*bucket((0, 1, 2)), is_last=False)
     with pytest.raises(ValueError, match=r"group 1 needs the gradients of parameters \[3\]"):
         regroup.add(*bucket((4,)), is_last=True)

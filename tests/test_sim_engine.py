@@ -13,7 +13,7 @@ from gradsync.sim import groups, models, simulate
 from gradsync.sim.compute import Compute, Gradient
 from gradsync.sim.engine import CODEC, COMPUTE, CPU, LINK_LANES
 
-LINK = cost.Link(alpha_s=1e-4, bandwidth_Bps=1e8)
+LINK = cost.Link(alpha_s=1e-4, bytes_per_s=1e8)
 
 
 def hand_compute(numels=(1000, 200_000, 50_000, 3_000_000), backward_s=0.2) -> Compute:
@@ -34,14 +34,14 @@ def overlaps(spans) -> list[tuple]:
 
 
 CASES = [
-    ("flat 4", lambda: flat(4), "fp32"),
+    ("flat 4", lambda: flat(4), "none"),
     ("flat 4 fp16", lambda: flat(4), "fp16"),
     ("flat 4 qsgd allgather", lambda: flat(4), "qsgd"),
     ("flat 4 topk on cpu", lambda: flat(4), "topk:ratio=0.01:on=cpu"),
-    ("8x8 fp32", lambda: clusters.cluster(8, 8, "v100", "25gbit"), "fp32"),
-    ("8x8 fp32 two-level", lambda: clusters.cluster(8, 8, "v100", "25gbit"), "fp32:exchange=hierarchical"),
-    ("8x8 qsgd two-level", lambda: clusters.cluster(8, 8, "a100", "25gbit"), "qsgd:exchange=hierarchical"),
-    ("8x8 fp16 two-level", lambda: clusters.cluster(8, 8, "h100", "100gbit"), "fp16:exchange=hierarchical"),
+    ("8x8 fp32", lambda: clusters.cluster(8, 8, "v100", "25gbit"), "none"),
+    ("8x8 fp32 two-level", lambda: clusters.cluster(8, 8, "v100", "25gbit"), "none:collective=two-level"),
+    ("8x8 qsgd two-level", lambda: clusters.cluster(8, 8, "a100", "25gbit"), "qsgd:collective=two-level"),
+    ("8x8 fp16 two-level", lambda: clusters.cluster(8, 8, "h100", "100gbit"), "fp16:collective=two-level"),
 ]
 
 
@@ -85,7 +85,7 @@ def test_every_timeline_keeps_the_invariants(name, make, strategy, grouping, jit
 
 def test_a_flat_collective_holds_every_link_so_two_level_phases_wait_for_it():
     where = clusters.cluster(4, 8, "v100", "25gbit")
-    mixed = ["fp32", "fp32:exchange=hierarchical"] * 4
+    mixed = ["none", "none:collective=two-level"] * 4
     result = simulate(hand_compute(numels=(4_000_000,) * 8), where, mixed, groups.layerwise(8))
     net = [s for s in result.spans if s.lane == "network"]
     two_level = [s for s in result.spans if s.lane in ("intra-node", "inter-node")]
@@ -98,7 +98,7 @@ def test_a_flat_collective_holds_every_link_so_two_level_phases_wait_for_it():
 def test_two_groups_on_a_flat_ring_match_the_hand_computed_step():
     # forward 0.1 s; backward 0.2 s with gradients of 1e6 and 2e6 elements ready at 0.1 and 0.2 s.
     work = Compute(0.1, 0.2, 0.01, (Gradient("a", 10**6, 0.1), Gradient("b", 2 * 10**6, 0.2)))
-    result = simulate(work, flat(4), "fp32", [[0], [1]])
+    result = simulate(work, flat(4), "none", [[0], [1]])
     first = cost.ring_allreduce_s(4e6, 4, LINK)  # 6 alpha + 1.5 * 4e6 / 1e8 = 0.0606 s
     second = cost.ring_allreduce_s(8e6, 4, LINK)  # 0.1206 s
     assert first == pytest.approx(0.0606)
@@ -111,7 +111,7 @@ def test_two_groups_on_a_flat_ring_match_the_hand_computed_step():
 def test_a_busy_link_delays_the_next_collective():
     # Both groups ready almost together: the second waits for the first to leave the link.
     work = Compute(0.0, 0.1, 0.0, (Gradient("a", 10**7, 0.09), Gradient("b", 10**7, 0.1)))
-    result = simulate(work, flat(2), "fp32", [[0], [1]])
+    result = simulate(work, flat(2), "none", [[0], [1]])
     one = cost.ring_allreduce_s(4e7, 2, LINK)
     assert result.groups[1].start_s == pytest.approx(0.09 + one)
     assert result.step_s == pytest.approx(0.09 + 2 * one)
@@ -120,7 +120,7 @@ def test_a_busy_link_delays_the_next_collective():
 def test_compression_on_the_device_delays_the_rest_of_the_backward_pass():
     work = hand_compute()
     where = flat(4)
-    plain = simulate(work, where, "fp32", groups.layerwise(4))
+    plain = simulate(work, where, "none", groups.layerwise(4))
     squeezed = simulate(work, where, "qsgd", groups.layerwise(4))
     codec = [s for s in squeezed.spans if s.lane == CODEC and s.label == "compress"]
     assert len(codec) == 4
@@ -132,7 +132,7 @@ def test_compression_on_the_device_delays_the_rest_of_the_backward_pass():
 def test_offloaded_compression_leaves_the_backward_pass_alone():
     work = hand_compute()
     where = flat(4)
-    plain = simulate(work, where, "fp32", groups.layerwise(4))
+    plain = simulate(work, where, "none", groups.layerwise(4))
     offloaded = simulate(work, where, "topk:ratio=0.01:on=cpu", groups.layerwise(4))
     assert [t.ready_s for t in offloaded.groups] == pytest.approx([t.ready_s for t in plain.groups])
     assert any(s.lane.startswith(CPU) for s in offloaded.spans)
@@ -149,10 +149,10 @@ def test_a_world_of_one_steps_at_compute_speed():
 def test_jitter_is_seeded_and_the_slowest_worker_sets_the_pace():
     work = hand_compute()
     where = flat(64)
-    calm = simulate(work, where, "fp32")
-    a = simulate(work, where, "fp32", jitter=0.1, seed=1)
-    b = simulate(work, where, "fp32", jitter=0.1, seed=1)
-    c = simulate(work, where, "fp32", jitter=0.1, seed=2)
+    calm = simulate(work, where, "none")
+    a = simulate(work, where, "none", jitter=0.1, seed=1)
+    b = simulate(work, where, "none", jitter=0.1, seed=1)
+    c = simulate(work, where, "none", jitter=0.1, seed=2)
     assert a.step_s == b.step_s
     assert a.step_s != c.step_s
     assert a.step_s > calm.step_s  # the max of 64 draws of 1 + 0.1 N(0, 1) exceeds 1
@@ -171,7 +171,7 @@ def test_measured_cluster_takes_collective_times_from_the_fits():
     }
     where = clusters.measured(4, fits, codecs)
     work = Compute(0.0, 0.1, 0.0, (Gradient("a", 10**6, 0.1),))
-    fp32 = simulate(work, where, "fp32")
+    fp32 = simulate(work, where, "none")
     assert fp32.step_s == pytest.approx(0.1 + 0.01 + 1e-8 * 4e6)
     fp16 = simulate(work, where, "fp16")
     compress = 1e-4 + 1e-9 * 1e6
@@ -184,14 +184,14 @@ def test_measured_cluster_takes_collective_times_from_the_fits():
 
 def test_strategies_per_group_must_match_the_groups():
     work = hand_compute()
-    result = simulate(work, flat(4), ["fp32", "fp16"], [[0, 1], [2, 3]])
-    assert [t.strategy for t in result.groups] == ["fp32", "fp16"]
+    result = simulate(work, flat(4), ["none", "fp16"], [[0, 1], [2, 3]])
+    assert [t.strategy for t in result.groups] == ["none", "fp16"]
     with pytest.raises(ValueError, match="3 strategies given for 2 groups"):
-        simulate(work, flat(4), ["fp32"] * 3, [[0, 1], [2, 3]])
+        simulate(work, flat(4), ["none"] * 3, [[0, 1], [2, 3]])
     with pytest.raises(ValueError, match="must cover"):
-        simulate(work, flat(4), "fp32", [[0, 2], [1, 3]])
+        simulate(work, flat(4), "none", [[0, 2], [1, 3]])
     with pytest.raises(ValueError, match="jitter"):
-        simulate(work, flat(4), "fp32", jitter=-1)
+        simulate(work, flat(4), "none", jitter=-1)
 
 
 @pytest.mark.parametrize("name", ["bert-base", "gpt2"])
@@ -199,8 +199,8 @@ def test_fp32_scaling_of_large_transformers_on_25gbit_is_far_from_linear(name):
     # Espresso (Table 1) measured 0.51 (BERT-base) and 0.58 (GPT-2) on 64 V100s; the simulator must
     # show the same regime: a 25 Gbit/s NIC cannot hide a 110-124M parameter fp32 allreduce.
     work = computes.from_model(models.build(name), clusters.device("v100"))
-    slow = simulate(work, clusters.cluster(8, 8, "v100", "25gbit"), "fp32")
-    fast = simulate(work, clusters.cluster(8, 8, "v100", "100gbit"), "fp32")
+    slow = simulate(work, clusters.cluster(8, 8, "v100", "25gbit"), "none")
+    fast = simulate(work, clusters.cluster(8, 8, "v100", "100gbit"), "none")
     assert slow.scaling < 0.7
     assert fast.scaling > slow.scaling
     # fp16 halves the bytes, so it helps where the network is the bottleneck.
@@ -220,7 +220,7 @@ def test_two_level_exchange_of_a_quantizer_sends_less_across_nodes_than_a_flat_a
     work = hand_compute(numels=(10**7,) * 4)
     where = clusters.cluster(16, 8, "v100", "25gbit")
     flat_gather = simulate(work, where, "qsgd", groups.layerwise(4))
-    two_level = simulate(work, where, "qsgd:exchange=hierarchical", groups.layerwise(4))
+    two_level = simulate(work, where, "qsgd:collective=two-level", groups.layerwise(4))
     assert two_level.communication_s < flat_gather.communication_s / 4
     assert two_level.step_s < flat_gather.step_s
 
@@ -228,7 +228,7 @@ def test_two_level_exchange_of_a_quantizer_sends_less_across_nodes_than_a_flat_a
 def test_invariants_hold_for_every_model_profile():
     where = clusters.cluster(4, 8, "a100", "25gbit")
     for name, text in itertools.product(
-        models.names(), ["fp32", "fp16", "qsgd", "qsgd:exchange=hierarchical"]
+        models.names(), ["none", "fp16", "qsgd", "qsgd:collective=two-level"]
     ):
         result = simulate(computes.from_model(models.build(name), where.device), where, text)
         for lane in LINK_LANES:
@@ -242,9 +242,9 @@ def test_a_contended_transfer_and_the_compute_slow_each_other_while_they_overlap
     fits = {"allreduce": cost.LinearFit(0.1, 0.0, 0, 0, 2), "allgather": cost.LinearFit(0.1, 0.0, 0, 0, 2)}
     contention = {"allreduce": {"compute": 0.5, "transfer": 1.0}}
     work = Compute(0.0, 1.0, 0.0, (Gradient("a", 10**6, 0.2), Gradient("b", 10**6, 1.0)))
-    calm = simulate(work, clusters.measured(2, fits, {}), "fp32", [[0], [1]])
+    calm = simulate(work, clusters.measured(2, fits, {}), "none", [[0], [1]])
     assert calm.step_s == pytest.approx(1.1)
-    busy = simulate(work, clusters.measured(2, fits, {}, None, contention), "fp32", [[0], [1]])
+    busy = simulate(work, clusters.measured(2, fits, {}, None, contention), "none", [[0], [1]])
     # a: 0.2 .. 0.4, all of it beside the backward pass (twice as long), which meanwhile does 0.2 / 1.5
     # of its work and so ends 0.2 - 0.2 / 1.5 = 1/15 s later: at 16/15. b: from 1.0, 1/15 s at half
     # speed (1/30 s of its work), the remaining 2/30 s alone: it ends at 1 + 2/15. The backward
@@ -269,10 +269,10 @@ def test_a_profile_becomes_a_compute_timeline_and_a_measured_cluster():
         hook={"fp16": {"before": fit, "after": fit}},
         contention={"allreduce": {"compute": 0.2, "transfer": 0.3}},
     )  # fmt: skip
-    work = computes.from_profile(found)
+    work = found.compute()
     assert [g.ready_s for g in work.gradients] == [0.031, 0.031]
     assert (work.name, work.batch_size, work.step_s) == ("mlp", 16, pytest.approx(0.16))
-    where = clusters.from_profile(found)
+    where = found.cluster()
     assert (where.world_size, where.measured) == (4, True)
     result = simulate(work, where, "fp16")
     compress, _, decompress = (s for s in result.spans if s.group == 0 and s.lane != COMPUTE)
@@ -302,8 +302,8 @@ def test_offloaded_codecs_share_the_workers_cpu_threads():
 def test_sparse_embeddings_make_deepfm_faster_than_a_dense_allreduce():
     where = clusters.cluster(8, 8, "v100", "25gbit")
     work = computes.from_model(models.build("deepfm"), where.device)
-    dense = simulate(work, where, "fp32")
-    sparse = simulate(work, where, "fp32:exchange=sparse")
+    dense = simulate(work, where, "none")
+    sparse = simulate(work, where, "none:scheme=auto")
     assert sparse.step_s < dense.step_s
     assert {s.label for s in sparse.spans if s.lane == "network"} >= {"allreduce"}
     assert any(s.label.startswith("sparse ") for s in sparse.spans)

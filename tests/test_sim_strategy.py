@@ -7,23 +7,26 @@ import pytest
 from gradsync import compress, cost
 from gradsync.sim import cluster as clusters
 from gradsync.sim import groups
-from gradsync.sim.strategy import Strategy, codec_seconds, parse, phases
+from gradsync.sim.phases import codec_seconds, phases
+from gradsync.strategy import Strategy, default_collective, parse
 
 
 def test_parse_round_trips_through_text():
     for text in [
-        "fp32",
+        "none",
         "fp16",
         "qsgd",
         "topk:ratio=0.01",
-        "fp16:exchange=hierarchical",
+        "fp16:collective=two-level",
         "dgc:on=cpu",
-        "qsgd:exchange=hierarchical:on=cpu",
+        "qsgd:collective=two-level:on=cpu",
     ]:
         assert parse(parse(text).text) == parse(text)
-    assert parse("none") == parse("fp32") == Strategy()
-    assert parse("qsgd").exchange == "allgather"  # not summable
-    assert parse("fp16").exchange == "allreduce"  # summable
+    assert parse("none") == parse("none") == Strategy()
+    assert parse("qsgd").collective == "allgather"  # not summable
+    assert parse("fp16").collective == "allreduce"  # summable
+    assert parse("powersgd").collective == parse("signsgd").collective == "allreduce"  # their own sums
+    assert parse("topk:scheme=auto").scheme == "auto"
     assert parse("topk:ratio=0.01").args == (("ratio", 0.01),)
 
 
@@ -31,13 +34,18 @@ def test_parse_round_trips_through_text():
     ("text", "match"),
     [
         ("nope", "unknown codec 'nope'"),
-        ("qsgd:exchange=allreduce", "not summable"),
-        ("fp16:exchange=ring", "exchange='ring'"),
-        ("fp32:on=cpu", "nothing to offload"),
+        ("qsgd:collective=allreduce", "cannot be summed"),
+        ("fp16:exchange=ring", r"unknown option\(s\) \['exchange'\]"),
+        ("fp16:collective=ring", "collective='ring'"),
+        ("fp16:scheme=balanced", "not sparse rows"),
+        ("topk:scheme=zen", "scheme='zen'"),
+        ("signsgd:collective=allgather", "its own allreduces"),
+        ("none:collective=allgather", "summed"),
+        ("none:on=cpu", "nothing to offload"),
         ("fp16:on=gpu", "on='gpu'"),
         ("topk:ratio", "not key=value"),
         ("topk:colour=red", "colour"),
-        ("fp32:ratio=0.1", "takes no codec options"),
+        ("none:ratio=0.1", "takes no codec arguments"),
         (":x=1", "names no codec"),
     ],
 )
@@ -50,17 +58,17 @@ def test_bad_strategies_are_refused_by_name(text, match):
 def test_payload_bytes_are_the_codecs_own(name):
     if name == "powersgd":
         pytest.skip("PowerSGD's payload depends on the tensor's matrix shape, not only its numel")
-    strategy = Strategy(name, (), "allgather" if not compress.lookup(name).summable else "allreduce")
+    strategy = Strategy(name, (), default_collective(name))
     assert strategy.payload_bytes(12345) == compress.build(name).payload_bytes(12345)
     assert Strategy().payload_bytes(12345) == 4 * 12345
 
 
 def test_flat_phases_use_the_faster_of_ring_and_tree_on_the_inter_node_link():
     where = clusters.cluster(4, 8, "v100", "25gbit")
-    (big,) = phases(parse("fp32"), 10**8, where)
+    (big,) = phases(parse("none"), 10**8, where)
     assert big.resource == "net"
     assert big.seconds == pytest.approx(cost.ring_allreduce_s(4e8, 32, where.inter))  # bandwidth-bound
-    (small,) = phases(parse("fp32"), 10, where)
+    (small,) = phases(parse("none"), 10, where)
     assert small.seconds == pytest.approx(cost.tree_allreduce_s(40, 32, where.inter))  # latency-bound
     compress_, gather, decompress = phases(parse("qsgd"), 10**6, where)
     payload = parse("qsgd").payload_bytes(10**6)
@@ -82,21 +90,21 @@ def test_decoding_costs_grow_with_payloads_and_sparsifiers_touch_only_what_they_
 
 def test_one_node_uses_the_intra_node_link():
     where = clusters.cluster(1, 8, "a100", "25gbit")
-    (allreduce,) = phases(parse("fp32"), 10**6, where)
+    (allreduce,) = phases(parse("none"), 10**6, where)
     ring, tree = cost.ring_allreduce_s(4e6, 8, where.intra), cost.tree_allreduce_s(4e6, 8, where.intra)
     assert allreduce.seconds == pytest.approx(min(ring, tree))
 
 
 def test_two_level_phases_split_the_nic_among_the_nodes_workers():
     where = clusters.cluster(4, 8, "v100", "25gbit")
-    rs, inter, ag = phases(parse("fp32:exchange=hierarchical"), 8 * 10**6, where)
-    share = cost.Link(where.inter.alpha_s, where.inter.bandwidth_Bps / 8)
+    rs, inter, ag = phases(parse("none:collective=two-level"), 8 * 10**6, where)
+    share = cost.Link(where.inter.alpha_s, where.inter.bytes_per_s / 8)
     assert (rs.resource, inter.resource, ag.resource) == ("intra", "inter", "intra")
     assert inter.seconds == pytest.approx(cost.ring_allreduce_s(4e6, 4, share))
     total = rs.seconds + inter.seconds + ag.seconds
     assert total == pytest.approx(cost.hierarchical_allreduce_s(32e6, 4, 8, where.intra, share))
     # A non-summable codec compresses its 1/8 share after the intra-node reduce-scatter.
-    steps = phases(parse("qsgd:exchange=hierarchical"), 8 * 10**6, where)
+    steps = phases(parse("qsgd:collective=two-level"), 8 * 10**6, where)
     assert [p.resource for p in steps] == ["intra", "device", "inter", "device", "intra"]
     assert steps[2].seconds == pytest.approx(
         cost.allgather_equal_s(parse("qsgd").payload_bytes(10**6), 4, share)
@@ -108,7 +116,7 @@ def test_offloading_pays_the_host_link_and_runs_on_the_cpu():
     on_device = phases(parse("topk:ratio=0.01"), 10**6, where)
     on_cpu = phases(parse("topk:ratio=0.01:on=cpu"), 10**6, where)
     assert on_cpu[0].resource == "cpu"
-    host = 4e6 / where.device.pcie_Bps
+    host = 4e6 / where.device.pcie_bytes_per_s
     assert on_cpu[0].seconds == pytest.approx(
         codec_seconds(parse("topk:ratio=0.01:on=cpu"), "compress", 10**6, where) + host
     )
@@ -148,7 +156,7 @@ def test_cuts_and_checks():
 
 def test_presets_and_their_errors():
     assert clusters.cluster(8, 8, "v100", "25gbit").world_size == 64
-    assert clusters.cluster(2, 8, "h100", "100gbit").inter.bandwidth_Bps == pytest.approx(100e9 / 8)
+    assert clusters.cluster(2, 8, "h100", "100gbit").inter.bytes_per_s == pytest.approx(100e9 / 8)
     with pytest.raises(KeyError, match="v100, a100, h100"):
         clusters.device("tpu")
     with pytest.raises(ValueError, match="nodes=0"):
@@ -162,14 +170,14 @@ def test_presets_and_their_errors():
 
 
 def test_a_two_level_quantizer_sends_the_payload_of_its_share():
-    from gradsync.sim.strategy import payload_nbytes
+    from gradsync.sim.phases import payload_nbytes
 
     where = clusters.cluster(4, 8, "v100", "25gbit")
-    assert payload_nbytes(parse("qsgd:exchange=hierarchical"), 8 * 10**6, where) == parse(
+    assert payload_nbytes(parse("qsgd:collective=two-level"), 8 * 10**6, where) == parse(
         "qsgd"
     ).payload_bytes(10**6)
     assert payload_nbytes(parse("qsgd"), 8 * 10**6, where) == parse("qsgd").payload_bytes(8 * 10**6)
-    assert payload_nbytes(parse("fp16:exchange=hierarchical"), 10**6, where) == 2 * 10**6
+    assert payload_nbytes(parse("fp16:collective=two-level"), 10**6, where) == 2 * 10**6
 
 
 def test_the_sparse_exchange_sends_embedding_rows_by_the_cheapest_scheme_and_the_rest_dense():
@@ -183,7 +191,7 @@ def test_the_sparse_exchange_sends_embedding_rows_by_the_cheapest_scheme_and_the
     assert (embedding.name, embedding.rows, embedding.density) == ("encoder.weight", 33278, 0.0113)
     decoder = [g for g in work.gradients if g.name.startswith("decoder")]
     numel = embedding.numel + sum(g.numel for g in decoder)
-    dense, rows = phases(parse("fp32:exchange=sparse"), numel, where, [embedding])
+    dense, rows = phases(parse("none:scheme=auto"), numel, where, [embedding])
     dense_nbytes = 4 * sum(g.numel for g in decoder)
     ring, tree = (f(dense_nbytes, 64, where.inter) for f in (cost.ring_allreduce_s, cost.tree_allreduce_s))
     assert dense.seconds == pytest.approx(min(ring, tree))
@@ -192,13 +200,13 @@ def test_the_sparse_exchange_sends_embedding_rows_by_the_cheapest_scheme_and_the
     union = {m: 1 - (1 - 0.0113) ** m for m in (1, 2, 4, 8, 16, 32, 64)}
     sparsity = sparse_cost.Sparsity(33278, 650, 4, union)
     predicted = sparse_cost.seconds(
-        sparsity, 64, sparse_cost.Network(where.inter.alpha_s, where.inter.bandwidth_Bps)
+        sparsity, 64, sparse_cost.Network(where.inter.alpha_s, where.inter.bytes_per_s)
     )
     assert rows.label == f"sparse {min(predicted, key=predicted.__getitem__)}"
     assert rows.seconds == pytest.approx(min(predicted.values()))
     assert rows.seconds < cost.ring_allreduce_s(4 * embedding.numel, 64, where.inter)
     with pytest.raises(ValueError, match="payload is not sparse rows"):
-        parse("fp16:exchange=sparse")
+        parse("fp16:scheme=auto")
 
 
 def test_a_sparsifier_payload_goes_by_the_cheapest_sparse_scheme_at_the_codecs_density():
@@ -206,7 +214,7 @@ def test_a_sparsifier_payload_goes_by_the_cheapest_sparse_scheme_at_the_codecs_d
 
     where = clusters.cluster(4, 8, "v100", "25gbit")
     numel = 10**7
-    compress, rows, decompress = phases(parse("topk:ratio=0.01:exchange=sparse"), numel, where)
+    compress, rows, decompress = phases(parse("topk:ratio=0.01:scheme=auto"), numel, where)
     assert (compress.label, decompress.label) == ("compress", "decompress")
     density = parse("topk:ratio=0.01").payload_bytes(numel) / 8 / numel
     assert density == pytest.approx(0.01, rel=1e-3)
@@ -214,7 +222,7 @@ def test_a_sparsifier_payload_goes_by_the_cheapest_sparse_scheme_at_the_codecs_d
     predicted = sparse_cost.seconds(
         sparse_cost.Sparsity(numel, 1, 4, union),
         32,
-        sparse_cost.Network(where.inter.alpha_s, where.inter.bandwidth_Bps),
+        sparse_cost.Network(where.inter.alpha_s, where.inter.bytes_per_s),
     )
     assert rows.label == f"sparse {min(predicted, key=predicted.__getitem__)}"
     assert rows.seconds == pytest.approx(min(predicted.values()))

@@ -29,7 +29,7 @@ def test_traffic_names_every_scheme() -> None:
 @pytest.mark.parametrize(("n", "expected"), [(2, 124), (4, 186), (3, 165)])
 def test_dense_is_a_ring_allreduce_of_the_table_and_a_flag(n: int, expected: int) -> None:
     # M = 10 rows x 3 x 4 bytes + one 4-byte flag = 124; 2 (n - 1) / n M, rounded down
-    # (n = 3: 165.33 -> 165) as comm.allreduce_sent_bytes counts it.
+    # (n = 3: 165.33 -> 165) as comm.allreduce_sent_nbytes counts it.
     s = sparsity(10, 3, {1: 0.3, 2: 0.5, 4: 0.7, 3: 0.6})
     assert traffic(s, n)["dense"] == expected
     assert traffic(s, n)["dense"] == pytest.approx(2 * (n - 1) / n * 124, abs=1)
@@ -57,28 +57,31 @@ def test_balanced_pushes_rows_out_and_pulls_the_mean_owners_sum_from_every_owner
     assert traffic(skewed, 4)["balanced"] == pytest.approx(3 * (8 + 24 + 38 + 18 * 4) + 1.5 * push)  # 498
 
 
-def test_hierarchical_sends_the_growing_union_capped_at_dense_each_round() -> None:
+def test_recursive_doubling_sends_the_growing_union_capped_at_dense_each_round() -> None:
     # 1000 rows, width 1, fp32 (dense 4000 bytes). Round i sends the union of 2^i ranks: 10 rows
     # = 16 header + 40 COO + 40 values; 20 rows = 16 + 80 + 80.
     s = sparsity(1000, 1, {1: 0.01, 2: 0.02, 3: 0.03, 4: 0.04})
-    assert traffic(s, 2)["hierarchical"] == 96
-    assert traffic(s, 4)["hierarchical"] == 96 + 176
+    assert traffic(s, 2)["recursive-doubling"] == 96
+    assert traffic(s, 4)["recursive-doubling"] == 96 + 176
     # 3 ranks: the rank that folds in the third sends the union of 2 (20 rows) in the one round,
     # then the total (30 rows: 16 + 120 + 120) back to the third.
-    assert traffic(s, 3)["hierarchical"] == 176 + 256
+    assert traffic(s, 3)["recursive-doubling"] == 176 + 256
     # Half the rows: 125-byte bitmap + 2000 bytes of values; then 750 rows: 125 + 3000.
     half = sparsity(1000, 1, {1: 0.5, 2: 0.75, 4: 1.0})
-    assert traffic(half, 4)["hierarchical"] == (16 + 2125) + (16 + 3125)
+    assert traffic(half, 4)["recursive-doubling"] == (16 + 2125) + (16 + 3125)
     # Past the dense size a message goes dense: fp16, 950 rows = 125 + 1900 > 2000 dense bytes.
-    assert traffic(sparsity(1000, 1, {1: 0.9, 2: 1.0}, value_nbytes=2), 2)["hierarchical"] == 16 + 125 + 1800
-    assert traffic(sparsity(1000, 1, {1: 0.95, 2: 1.0}, value_nbytes=2), 2)["hierarchical"] == 16 + 2000
+    assert (
+        traffic(sparsity(1000, 1, {1: 0.9, 2: 1.0}, value_nbytes=2), 2)["recursive-doubling"]
+        == 16 + 125 + 1800
+    )
+    assert traffic(sparsity(1000, 1, {1: 0.95, 2: 1.0}, value_nbytes=2), 2)["recursive-doubling"] == 16 + 2000
 
 
 def test_latency_steps_and_seconds_follow_the_alpha_beta_model() -> None:
-    assert latency_steps(4) == {"dense": 6, "agsparse": 6, "balanced": 4, "hierarchical": 4}
-    assert latency_steps(3)["hierarchical"] == 2 + 4  # one round, and the fold's two messages each way
-    assert latency_steps(8)["hierarchical"] == 6
-    network = Network(alpha_s=1e-3, bandwidth_Bps=1e6)
+    assert latency_steps(4) == {"dense": 6, "agsparse": 6, "balanced": 4, "recursive-doubling": 4}
+    assert latency_steps(3)["recursive-doubling"] == 2 + 4  # one round, and the fold's two messages each way
+    assert latency_steps(8)["recursive-doubling"] == 6
+    network = Network(alpha_s=1e-3, bytes_per_s=1e6)
     assert network.seconds(2e6, ("allreduce", "all_to_all"), 4) == pytest.approx(7e-3 + 2.0)
     s = sparsity(1000, 4, {1: 0.05, 2: 0.09, 4: 0.16})
     predicted = seconds(s, 4, network)
@@ -87,13 +90,15 @@ def test_latency_steps_and_seconds_follow_the_alpha_beta_model() -> None:
 
 
 def test_measured_rounds_replace_the_alpha_model_where_known() -> None:
-    measured = Network(alpha_s=1e-3, bandwidth_Bps=1e6, round_s={"all_to_all": 0.03, "sendrecv": 0.002})
+    measured = Network(alpha_s=1e-3, bytes_per_s=1e6, round_s={"all_to_all": 0.03, "sendrecv": 0.002})
     assert measured.latency_s("all_to_all", 8) == 0.03
     assert measured.latency_s("allgather", 8) == pytest.approx(7e-3)  # not measured: alpha per step
     s = sparsity(1000, 4, {1: 0.05, 2: 0.09, 4: 0.16, 8: 0.25})
     predicted = seconds(s, 8, measured)
     assert predicted["balanced"] == pytest.approx(4 * 0.03 + traffic(s, 8)["balanced"] / 1e6)
-    assert predicted["hierarchical"] == pytest.approx(6 * 0.002 + traffic(s, 8)["hierarchical"] / 1e6)
+    assert predicted["recursive-doubling"] == pytest.approx(
+        6 * 0.002 + traffic(s, 8)["recursive-doubling"] / 1e6
+    )
 
 
 def test_densification_is_the_union_density_over_one_ranks() -> None:
@@ -124,9 +129,8 @@ def test_fastest_picks_a_sparse_scheme_at_low_density() -> None:
     assert predicted["balanced"] < predicted["dense"] / 50
     # Far sparser, and each rank's rows its own: the few rows go fastest by recursive doubling.
     disjoint = sparsity(1_000_000, 64, {1: 0.001, 2: 0.002, 4: 0.004, 8: 0.008})
-    assert fastest(disjoint, 8, network) == "hierarchical"
+    assert fastest(disjoint, 8, network) == "recursive-doubling"
     # A tie goes to the first scheme in table order.
     assert (
-        fastest(sparsity(100, 1, {1: 0.1, 2: 0.2}), 2, Network(alpha_s=0.0, bandwidth_Bps=math.inf))
-        == "dense"
+        fastest(sparsity(100, 1, {1: 0.1, 2: 0.2}), 2, Network(alpha_s=0.0, bytes_per_s=math.inf)) == "dense"
     )

@@ -249,7 +249,7 @@ def test_a_world_of_one_returns_the_input_for_every_scheme(scheme: str, count: i
     for finite in (True, False):
         result = sparse.exchange(rows, LocalComm(), scheme, finite=finite)
         assert result.scheme == scheme and result.finite == finite
-        assert result.bytes_sent == 0
+        assert result.sent_nbytes == 0
         dense = result.total.dense()
         assert dense.dtype == torch.bfloat16
         assert (

@@ -132,7 +132,7 @@ def test_testbed_round_trips_through_json_and_describes_itself():
     assert testbed.hosts[2].wrap(["python", "-c", "pass"]) == [
         "ip", "netns", "exec", "gsync-h2", "python", "-c", "pass",
     ]  # fmt: skip
-    with pytest.raises(ValueError, match="bandwidth_bps"):
+    with pytest.raises(ValueError, match="bandwidth_bits_per_s"):
         tb.Testbed.from_dict({"hosts": []})
 
 
@@ -190,8 +190,8 @@ def test_session_probe_measures_the_shaped_rate_and_leaves_nothing(root_testbed)
         assert _netns() == ["gsync-h0", "gsync-h1", "gsync-sw"]
         assert _root_links() == links_before  # the whole network lives inside the namespaces
         assert tb.current() == testbed
-        bandwidth_bps = tb.probe(testbed, megabytes=8, repeats=3)
-    assert bandwidth_bps == pytest.approx(200e6, rel=0.15)
+        bandwidth_bits_per_s = tb.probe(testbed, megabytes=8, repeats=3)
+    assert bandwidth_bits_per_s == pytest.approx(200e6, rel=0.15)
     assert _netns() == []
     assert _root_links() == links_before
     assert not tb.state_path().exists() and tb.current() is None

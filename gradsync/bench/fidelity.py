@@ -24,8 +24,8 @@ from typing import Any
 
 from .. import testbed, workloads
 from ..profile import Profile
-from ..sim import cluster, compute, engine, gantt
-from ..sim import strategy as sim_strategy
+from ..sim import engine, gantt, phases
+from ..strategy import parse
 from . import report, strategies, train
 
 
@@ -70,18 +70,18 @@ class FidelityOptions:
 
 
 def sim_text(text: str) -> str:
-    """The simulator's strategy for a training benchmark strategy: DDP is an fp32 allreduce, a
-    gradsync codec exchanges as its payloads allow."""
+    """The simulator's strategy for a training benchmark strategy: DDP is an fp32 allreduce (none),
+    a gradsync codec exchanges as its payloads allow."""
     parsed = strategies.parse(text)
     if parsed.kind == "ddp":
-        return "fp32"
+        return "none"
     if parsed.kind != "gradsync" or parsed.config is None or parsed.config.sparse_scheme != "auto":
         raise ValueError(f"strategy {text!r} has no simulator model; use ddp or a gradsync codec")
     codec = parsed.config.compressor
     if codec in ("topk", "dgc", "threshold"):
         raise ValueError(f"strategy {text!r}: sparse payloads go to gradsync.sparse, which is not simulated")
     args = ":".join(f"{k}={v}" for k, v in sorted(parsed.config.compressor_args.items()))
-    return sim_strategy.parse(":".join(filter(None, [codec, args]))).text
+    return parse(":".join(filter(None, [codec, args]))).text
 
 
 def run(options: FidelityOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -126,8 +126,8 @@ def run(options: FidelityOptions, say: Callable[[str], None] = print) -> dict[st
 
 def predict(profile: Profile, strategy_text: str) -> engine.Result:
     """The simulator's step for one strategy, fed only the profile."""
-    work = compute.from_profile(profile)
-    where = cluster.from_profile(profile)
+    work = profile.compute()
+    where = profile.cluster()
     return engine.simulate(work, where, strategy_text)
 
 
@@ -136,7 +136,7 @@ def hooked(options: FidelityOptions) -> dict[str, str]:
     {codec spec: strategy text}."""
     specs: dict[str, str] = {}
     for text in options.strategies:
-        parsed = sim_strategy.parse(sim_text(text))
+        parsed = parse(sim_text(text))
         if parsed.compressed:
             specs.setdefault(parsed.spec, text)
     return specs
@@ -146,9 +146,9 @@ def collectives(options: FidelityOptions) -> list[str]:
     """The collectives to probe: fp32 allreduce and allgather, and a sum in every other payload dtype."""
     names = ["allreduce", "allgather"]
     for text in options.strategies:
-        parsed = sim_strategy.parse(sim_text(text))
-        dtype = sim_strategy.payload_dtype(parsed)
-        if parsed.exchange == "allreduce" and dtype != "float32" and f"allreduce:{dtype}" not in names:
+        parsed = parse(sim_text(text))
+        dtype = phases.payload_dtype(parsed)
+        if parsed.collective == "allreduce" and dtype != "float32" and f"allreduce:{dtype}" not in names:
             names.append(f"allreduce:{dtype}")
     return names
 

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import plan as plans
-from .. import planner, schedule
+from .. import autoplan, planner, schedule
 from ..sim import cluster as clusters
 from ..sim import compute as computes
 from ..sim import groups as grouping
@@ -120,7 +119,7 @@ def uniform(options: Options) -> list[dict[str, Any]]:
     for name, label, where, work in _cases(options):
         for codec_label, (codec, args) in CODECS.items():
             started = time.perf_counter()
-            made = plans.make(work, where, codec, args, model=f"sim:{name}")
+            made = autoplan.make(work, where, codec, args, model=f"sim:{name}")
             elapsed = time.perf_counter() - started
             uniforms = {k: v for k, v in made.alternatives.items() if k.endswith("DDP buckets")}
             best_uniform = min(uniforms, key=uniforms.__getitem__)
@@ -137,7 +136,7 @@ def uniform(options: Options) -> list[dict[str, Any]]:
                     "per_group_plan_s": made.alternatives["per-group plan"],
                     "best_uniform": best_uniform,
                     "best_uniform_s": uniforms[best_uniform],
-                    "fp32_ddp_s": made.alternatives["fp32, DDP buckets"],
+                    "fp32_ddp_s": made.alternatives["none, DDP buckets"],
                     "layerwise_s": made.alternatives[f"{codec_text}, layer-wise"],
                     "one_group_s": made.alternatives[f"{codec_text}, one group"],
                     "make_s": elapsed,

@@ -30,7 +30,7 @@ def conditions(document: dict[str, Any]) -> str:
     """What the table was measured on, in a few sentences."""
     meta = document["meta"]
     options, network = meta["options"], meta["network"]
-    measured = network.get("measured_bps")
+    measured = network.get("measured_bits_per_s")
     probe = f"; an allreduce probe measured {measured / 1e9:.3f} Gbit/s bus bandwidth" if measured else ""
     target = meta["target_loss"]
     return (

@@ -37,13 +37,13 @@ class SimBenchOptions:
     # the slower the compute, the more of the exchange the backward pass hides.
     precisions: tuple[str, ...] = ("mixed", "fp32")
     strategies: tuple[str, ...] = (
-        "fp32",
+        "none",
         "fp16",
         "topk:ratio=0.01",
         "qsgd",
         "efsignsgd",
-        "fp16:exchange=hierarchical",
-        "fp32:exchange=sparse",
+        "fp16:collective=two-level",
+        "none:scheme=auto",
     )
     scale_workers: tuple[int, ...] = (1024, 16384)
     scale_strategy: str = "fp16"

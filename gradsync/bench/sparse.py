@@ -10,7 +10,7 @@ Inputs: each rank's rows of one [num_rows, width] table, deterministic from the 
 Options follow the input's name: `zipf:rows=65536:width=8:density=0.02:s=1.2`,
 `embed-lm:batch_size=128` (any embed-lm workload option, and `step`).
 
-Schemes: dense, agsparse, balanced (Zen's hash partition), hierarchical, and "range": balanced
+Schemes: dense, agsparse, balanced (Zen's hash partition), recursive-doubling, and "range": balanced
 with an index-range partition (parameter servers, OmniReduce), to show the imbalance hashing
 removes. balanced and range get their partition built once per input, as the DDP router keeps
 it (its owner table sorts every row).
@@ -56,8 +56,8 @@ from ..workloads.base import generator_for
 from . import report, train
 
 # Table order; "range" is balanced with an index-range partition.
-SCHEMES = ("dense", "agsparse", "balanced", "hierarchical", "range")
-MODELLED = ("dense", "agsparse", "balanced", "hierarchical")  # what cost.traffic covers
+SCHEMES = ("dense", "agsparse", "balanced", "recursive-doubling", "range")
+MODELLED = ("dense", "agsparse", "balanced", "recursive-doubling")  # what cost.traffic covers
 INPUT_KINDS = ("embed-lm", "zipf")
 ZIPF_DEFAULTS: dict[str, Any] = {"rows": 2**20, "width": 16, "density": 0.015, "s": 1.1}
 # batch_size 160 gives each rank 1.4% of the 32768 rows (1.2-1.5% over ranks and world sizes).
@@ -240,7 +240,7 @@ def union_density(sets: Sequence[torch.Tensor], num_rows: int, m: int) -> float:
 
 
 def group_sizes(n: int) -> list[int]:
-    """1, 2, 4, ... up to n, and n: the unions balanced pulls and hierarchical's rounds carry."""
+    """1, 2, 4, ... up to n, and n: the unions balanced pulls and recursive doubling's rounds carry."""
     powers = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
     return powers if n in powers else [*powers, n]
 
@@ -390,7 +390,7 @@ def summarize_input(
     model curve (points)."""
     schemes = []
     for s in raw["schemes"]:
-        sent = s["bytes_sent"]
+        sent = s["sent_nbytes"]
         wire = s.get("wire_bytes")
         schemes.append(
             {
@@ -403,7 +403,7 @@ def summarize_input(
                 "cpu_system_median_s": _median_or_none(s.get("cpu_system_seconds")),
                 "bytes_sent_mean": statistics.fmean(sent),
                 "bytes_sent_max": max(sent),
-                "bytes_sent": sent,
+                "sent_nbytes": sent,
                 "model_bytes": at_hosts["bytes"].get(s["scheme"]),
                 "predicted_s": at_hosts["seconds"].get(s["scheme"]),
                 "wire_bytes_mean": statistics.fmean(wire) if wire else None,
@@ -557,7 +557,7 @@ def model_summary(points: Sequence[dict[str, Any]]) -> str:
 def conditions(document: dict[str, Any]) -> str:
     meta = document["meta"]
     options, network = meta["options"], meta["network"]
-    measured = network.get("measured_bps")
+    measured = network.get("measured_bits_per_s")
     probe = f"; an allreduce probe measured {measured / 1e9:.3f} Gbit/s bus bandwidth" if measured else ""
     inputs = " ".join(f"{s['input']}: {s['description']}; {_calibrated(s)}." for s in document["inputs"])
     model_alpha_us = meta["model_network"]["alpha_s"] * 1e6
@@ -586,7 +586,7 @@ _COLORS = {
     "dense": "#4c72b0",
     "agsparse": "#dd8452",
     "balanced": "#55a868",
-    "hierarchical": "#c44e52",
+    "recursive-doubling": "#c44e52",
     "range": "#8172b3",
 }
 
@@ -695,7 +695,7 @@ def _calibrated(section: dict[str, Any]) -> str:
     rounds = ", ".join(
         f"{name} {seconds * 1e3:.1f} ms" for name, seconds in (network.get("round_s") or {}).items()
     )
-    return f"calibrated rounds ({rounds or 'none'}), {network['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s"
+    return f"calibrated rounds ({rounds or 'none'}), {network['bytes_per_s'] * 8 / 1e9:.3f} Gbit/s"
 
 
 def _cpu(s: dict[str, Any]) -> str:
@@ -798,8 +798,10 @@ def run(
             f"the testbed has {len(network.testbed.hosts)} hosts but --hosts is {options.hosts}; "
             f"bring one up with `gradsync testbed up --hosts {options.hosts}`"
         )
-    bandwidth_bps = network.measured_bps or (network.testbed.bandwidth_bps if network.testbed else 1e9)
-    net = cost.Network(bandwidth_Bps=bandwidth_bps / 8)
+    bandwidth_bits_per_s = network.measured_bits_per_s or (
+        network.testbed.bandwidth_bits_per_s if network.testbed else 1e9
+    )
+    net = cost.Network(bytes_per_s=bandwidth_bits_per_s / 8)
     sections = []
     load_before = os.getloadavg()  # other work on the machine skews the times: recorded
     source_before = source_state()
@@ -830,7 +832,7 @@ def run(
     meta = {
         "options": asdict(options),
         "network": network.to_dict(),
-        "model_network": {"alpha_s": net.alpha_s, "bandwidth_Bps": net.bandwidth_Bps},
+        "model_network": {"alpha_s": net.alpha_s, "bytes_per_s": net.bytes_per_s},
         "machine": train.machine(),
         "source": {**source_before, "changed_during_run": source_state() != source_before},
         "load_average": {"before": load_before, "after": os.getloadavg()},

@@ -79,7 +79,7 @@ def bench(job: dict[str, Any], comm: TorchComm) -> dict[str, Any]:
         dist.all_reduce(cpu)
         cpu /= n
         wire_mean = None if None in wire else statistics.fmean(wire)
-        gathered = allgather_object(comm, (result.bytes_sent, wire_mean, max(errors)), _CPU)
+        gathered = allgather_object(comm, (result.sent_nbytes, wire_mean, max(errors)), _CPU)
         wires = [w for _, w, _ in gathered]
         schemes.append(
             {
@@ -88,7 +88,7 @@ def bench(job: dict[str, Any], comm: TorchComm) -> dict[str, Any]:
                 "cpu_seconds": cpu.sum(0).tolist(),  # user + system, mean over ranks
                 "cpu_user_seconds": cpu[0].tolist(),
                 "cpu_system_seconds": cpu[1].tolist(),
-                "bytes_sent": [b for b, _, _ in gathered],
+                "sent_nbytes": [b for b, _, _ in gathered],
                 "wire_bytes": None if None in wires else wires,
                 "push_imbalance": result.push_imbalance,
                 "pull_imbalance": result.pull_imbalance,

@@ -27,10 +27,10 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import autoplan, compress, registry
+from .. import compress, registry, tuner
+from ..api import register
 from ..config import AUTO_PLAN, NO_COMPRESSION, SyncConfig
-from ..ddp import register
-from ..exchange import allreduce_sent_bytes
+from ..exchange import allreduce_sent_nbytes
 
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 # gradsync's defaults for the benchmark where they differ from the compressor's own.
@@ -65,7 +65,7 @@ class Strategy:
         if self.config is None:
             return WARMUP_STEPS
         if self.config.plan == AUTO_PLAN:
-            return autoplan.warmup_steps(self.config)
+            return tuner.warmup_steps(self.config)
         return self.config.warmup_steps
 
     @property
@@ -176,20 +176,20 @@ class Installed:
             self.gradsync = register(model, strategy.config)
         self._powersgd_counted = 0
 
-    def bytes_sent(self, step: int) -> int:
+    def sent_nbytes(self, step: int) -> int:
         """Bytes this rank sent in `step` (ring algorithms; no TCP/IP headers). Call once per step."""
-        fp32 = allreduce_sent_bytes(4 * self.numel, self.world_size)
+        fp32 = allreduce_sent_nbytes(4 * self.numel, self.world_size)
         if self.gradsync is not None:
             record = self._gradsync_step(step)
-            return record["bytes_sent"] if record else 0
+            return record["sent_nbytes"] if record else 0
         if self.strategy.kind == "torch-fp16":
-            return allreduce_sent_bytes(2 * self.numel, self.world_size)
+            return allreduce_sent_nbytes(2 * self.numel, self.world_size)
         if self.powersgd is not None:
             # The hook counts the elements it allreduces on compressed steps (P, Q and the
             # tensors it leaves uncompressed); before its start step it allreduces plain fp32.
             counted = self.powersgd.total_numel_after_compression
             new, self._powersgd_counted = counted - self._powersgd_counted, counted
-            return allreduce_sent_bytes(4 * new, self.world_size) if new else fp32
+            return allreduce_sent_nbytes(4 * new, self.world_size) if new else fp32
         return fp32
 
     def compression_seconds(self, step: int) -> float | None:

@@ -96,7 +96,7 @@ class Network:
     kind: str  # "loopback" or "testbed"
     description: str
     testbed: Testbed | None = None
-    measured_bps: float | None = None  # allreduce bus bandwidth probed before the runs
+    measured_bits_per_s: float | None = None  # allreduce bus bandwidth probed before the runs
 
     def command(self, rank: int, argv: list[str]) -> list[str]:
         return argv if self.testbed is None else self.testbed.hosts[rank].wrap(argv)
@@ -111,9 +111,9 @@ class Network:
         out: dict[str, Any] = {"kind": self.kind, "description": self.description}
         if self.testbed is not None:
             out.update(
-                configured_bps=self.testbed.bandwidth_bps,
+                configured_bits_per_s=self.testbed.bandwidth_bits_per_s,
                 latency_ms=self.testbed.latency_ms,
-                measured_bps=self.measured_bps,
+                measured_bits_per_s=self.measured_bits_per_s,
             )
         return out
 
@@ -122,8 +122,8 @@ def loopback() -> Network:
     return Network("loopback", "loopback (127.0.0.1), unshaped")
 
 
-def on_testbed(testbed: Testbed, measured_bps: float | None = None) -> Network:
-    return Network("testbed", testbed.describe(), testbed, measured_bps)
+def on_testbed(testbed: Testbed, measured_bits_per_s: float | None = None) -> Network:
+    return Network("testbed", testbed.describe(), testbed, measured_bits_per_s)
 
 
 def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[str, Any]:
@@ -176,7 +176,7 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
                 "step_median_s": step_median,
                 "step_p90_s": quantile(steady, 0.9),
                 "samples_per_s": r["samples_per_step"] / step_median,
-                "bytes_per_step": statistics.median(r["bytes_sent"][options.steady_from :]),
+                "bytes_per_step": statistics.median(r["sent_nbytes"][options.steady_from :]),
                 "final_loss": r["evals"][-1]["loss"],
                 "final_accuracy": r["evals"][-1].get("accuracy"),
                 "breakdown_s": {
@@ -392,8 +392,8 @@ def open_network(
     return on_testbed(bed, measured)
 
 
-def describe_probe(measured_bps: float, bed: Testbed) -> str:
+def describe_probe(measured_bits_per_s: float, bed: Testbed) -> str:
     return (
-        f"allreduce probe: {measured_bps / 1e9:.3f} Gbit/s bus bandwidth achieved "
-        f"(configured {bed.bandwidth_bps / 1e9:g} Gbit/s per link)"
+        f"allreduce probe: {measured_bits_per_s / 1e9:.3f} Gbit/s bus bandwidth achieved "
+        f"(configured {bed.bandwidth_bits_per_s / 1e9:g} Gbit/s per link)"
     )

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import workloads
+from .. import tuner, workloads
 from . import strategies
 from .rank import serve
 
@@ -42,7 +42,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
 
     evals = [_evaluate(workload, model, rank, world_size, step=0, wall_s=0.0)]
     step_s: list[float] = []
-    bytes_sent: list[int] = []
+    sent_nbytes: list[int] = []
     compression_s: list[float | None] = []
     wall_s = 0.0  # training time only: evaluations are not on the clock
     dist.barrier()  # start every rank's clock together
@@ -58,7 +58,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         elapsed = time.perf_counter() - started
         wall_s += elapsed
         step_s.append(elapsed)
-        bytes_sent.append(installed.bytes_sent(step))
+        sent_nbytes.append(installed.sent_nbytes(step))
         compression_s.append(installed.compression_seconds(step))
         if rank == 0:
             print(json.dumps({"step": step + 1, "step_s": elapsed, "loss": loss.item()}), flush=True)
@@ -72,7 +72,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "params": installed.numel,
         "samples_per_step": workload.batch_size * world_size,
         "step_s": step_s,
-        "bytes_sent": bytes_sent,
+        "sent_nbytes": sent_nbytes,
         "compression_s": compression_s,
         "wire_bytes_per_step": _mean_over_ranks(wire_bytes),
         "compute_s": compute_s,
@@ -84,9 +84,9 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
 def _plan_made(installed: strategies.Installed) -> dict[str, Any]:
     """plan="auto": the plan adopted and what it measured to choose it."""
     state = installed.gradsync
-    if state is None or state.auto is None:
+    if not isinstance(state, tuner.AutoState):
         return {}
-    return {"plan": state.plan.to_dict() if state.plan else None, "auto": state.auto.stats()}
+    return {"plan": state.plan.to_dict() if state.plan else None, "auto": state.stats()["auto"]}
 
 
 def _evaluate(

@@ -15,9 +15,9 @@ from .. import registry
 from .base import Compressor, Payload
 from .cast import BF16, FP16
 from .dgc import DGC
-from .identity import Identity
 from .int8 import Int8
 from .natural import Natural
+from .none import NoCompression
 from .powersgd import PowerSGD
 from .qsgd import QSGD
 from .randk import RandK
@@ -28,7 +28,7 @@ from .topk import TopK
 
 REGISTRY: dict[str, type[Compressor]] = {
     # no loss, or the loss of a narrower float
-    "identity": Identity,
+    "none": NoCompression,
     "fp16": FP16,
     "bf16": BF16,
     # sparsification

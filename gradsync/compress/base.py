@@ -16,7 +16,8 @@ class Compressor:
     `compress(x) -> (payload, ctx)`: `payload` is a tuple of tensors, exactly the bytes that cross
     the wire; `ctx` stays local and holds only what every rank knows without communicating (shape,
     dtype, a support drawn from a shared seed). So any rank can decode any rank's payload with its
-    own ctx, and all ranks decode identically.
+    own ctx, and all ranks decode identically. A payload may live in a buffer the codec reuses:
+    it stays valid until the codec's next compress.
 
     Capabilities are declared on the class and callers branch on them:
       summable   payloads of different ranks may be summed elementwise (allreduce), and
@@ -58,6 +59,13 @@ class Compressor:
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement decompress")
+
+    def decompress_into(self, out: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        """decompress(payload, ctx) written into `out` (its shape and dtype) and returned; casts
+        override it to skip the fresh full-size tensor (a fresh tensor of tens of MiB costs as much
+        in page faults as a copy)."""
+        out.view(-1).copy_(self.decompress(payload, ctx).view(-1))
+        return out
 
     def add_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
         """out += decompress(payload, ctx); sparse codecs override it to skip the dense temporary."""
@@ -207,9 +215,7 @@ def check_int(name: str, value: Any, lo: int, hi: int | float = math.inf, why: s
     return value
 
 
-def check_real(
-    name: str, value: Any, lo: float, hi: float, closed: str = "[)", hint: str = ""
-) -> float:
+def check_real(name: str, value: Any, lo: float, hi: float, closed: str = "[)", hint: str = "") -> float:
     """`value` as a float if it is a real number in the interval from lo to hi, whose ends are
     included or not as `closed` says ("[)", "(]", "()", "[]"); else ValueError naming the value,
     the interval and `hint`."""

@@ -19,12 +19,24 @@ class Cast(Compressor):
     summable = True
     wire_dtype: ClassVar[torch.dtype]
 
+    def __init__(self) -> None:
+        # The payload's buffer, reused from step to step: a fresh one costs page faults each time.
+        self._wire: torch.Tensor | None = None
+
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
-        return (x.reshape(-1).to(self.wire_dtype),), shape_ctx(x)
+        wire = self._wire
+        if wire is None or wire.numel() != x.numel() or wire.device != x.device:
+            wire = self._wire = torch.empty(x.numel(), dtype=self.wire_dtype, device=x.device)
+        wire.copy_(x.reshape(-1))
+        return (wire,), shape_ctx(x)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         shape, dtype = ctx
         return payload[0].to(dtype).reshape(shape)
+
+    def decompress_into(self, out: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        out.view(-1).copy_(payload[0])
+        return out
 
     def payload_bytes(self, numel: int) -> int:
         return 2 * numel

@@ -58,8 +58,10 @@ class QSGD(SeededCompressor):
         levels = scaled.view(-1).add_(noise).floor_().clamp_(max=self.levels)[:numel]
         # At 8 bits the codes are the packed payload itself, so they must not live in scratch.
         fresh = self.bits == 8
-        codes = torch.empty(numel, dtype=torch.uint8, device=x.device) if fresh else scratch(
-            "qsgd-codes", numel, torch.uint8, x.device
+        codes = (
+            torch.empty(numel, dtype=torch.uint8, device=x.device)
+            if fresh
+            else scratch("qsgd-codes", numel, torch.uint8, x.device)
         )
         codes.copy_(levels.copysign_(flat).add_(self.levels))  # l + s for the signed level l
         return (pack_bits(codes, self.bits), norms), (x.shape, x.dtype)

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..cost import LinearFit, Link
-from ..testbed import parse_bandwidth
-
-if TYPE_CHECKING:
-    from ..profile import Profile
+from ..units import parse_bandwidth
 
 # Per GPU kernel: what one PyTorch op costs before it moves a byte (launch and dispatch).
 KERNEL_S = 10e-6
@@ -36,9 +32,9 @@ class Device:
     name: str
     peak_flops: float  # dense mixed-precision (fp16/bf16 tensor core) FLOP/s
     peak_fp32_flops: float  # plain fp32 FLOP/s (no tensor cores)
-    memory_Bps: float  # HBM bandwidth, bytes per second: compression kernels are bound by it
-    nvlink_Bps: float  # NVLink bandwidth per GPU, one way
-    pcie_Bps: float  # host link, one way: what offloading a tensor to CPU threads costs
+    memory_bytes_per_s: float  # HBM bandwidth, bytes per second: compression kernels are bound by it
+    nvlink_bytes_per_s: float  # NVLink bandwidth per GPU, one way
+    pcie_bytes_per_s: float  # host link, one way: what offloading a tensor to CPU threads costs
     efficiency: float = 0.4  # achieved / peak FLOP/s in training (model FLOPs utilisation)
 
     def flops(self, precision: str) -> float:
@@ -85,7 +81,7 @@ class Cluster:
     intra: Link
     inter: Link
     precision: str = "mixed"
-    cpu_Bps: float = 5e9  # one CPU thread streaming through memory: offloaded compression
+    cpu_bytes_per_s: float = 5e9  # one CPU thread streaming through memory: offloaded compression
     cpu_threads: int = 2  # CPU threads per worker that offloaded codecs share
     collectives: Mapping[str, LinearFit] | None = None
     compression: Mapping[str, Mapping[str, LinearFit]] | None = None
@@ -122,7 +118,7 @@ class Cluster:
     def describe(self) -> str:
         if self.name:
             return self.name
-        link = f"{self.inter.bandwidth_Bps * 8 / 1e9:g} Gbit/s"
+        link = f"{self.inter.bytes_per_s * 8 / 1e9:g} Gbit/s"
         return f"{self.nodes} x {self.gpus_per_node} {self.device.name}, {link} between nodes"
 
 
@@ -144,14 +140,14 @@ def cluster(
     dev = device(device_name)
     if intra not in ("nvlink", "pcie"):
         raise ValueError(f"intra={intra!r} must be 'nvlink' or 'pcie'")
-    intra_Bps = dev.nvlink_Bps if intra == "nvlink" else dev.pcie_Bps
-    inter_Bps = parse_bandwidth(inter) / 8
+    intra_bytes_per_s = dev.nvlink_bytes_per_s if intra == "nvlink" else dev.pcie_bytes_per_s
+    inter_bytes_per_s = parse_bandwidth(inter) / 8
     return Cluster(
         nodes=nodes,
         gpus_per_node=gpus_per_node,
         device=dev,
-        intra=Link(INTRA_ALPHA_S, intra_Bps),
-        inter=Link(INTER_ALPHA_S, inter_Bps),
+        intra=Link(INTRA_ALPHA_S, intra_bytes_per_s),
+        inter=Link(INTER_ALPHA_S, inter_bytes_per_s),
         precision=precision,
         name=f"{nodes} x {gpus_per_node} {dev.name} ({intra}), {inter} between nodes",
     )
@@ -186,11 +182,4 @@ def measured(
         hook=hook,
         contention=contention,
         name=name or f"{world_size} measured hosts",
-    )
-
-
-def from_profile(profile: Profile) -> Cluster:
-    """The measured cluster a profile describes: its world, collectives, codecs and hook path."""
-    return measured(
-        profile.world_size, profile.collectives, profile.compression, profile.hook, profile.contention
     )

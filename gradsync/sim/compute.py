@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .cluster import Device
 from .models import ModelProfile, backward_schedule
-
-if TYPE_CHECKING:
-    from ..profile import Profile
 
 # An Adam-style update reads the parameter, its gradient and two moments and writes three of
 # them back: 7 fp32 values per parameter stream through device memory.
@@ -89,18 +85,5 @@ def from_model(
         for name, numel, cumulative in backward_schedule(model)
     )
     forward_s = model.forward_flops * batch / flops
-    optimizer_s = model.num_params * OPTIMIZER_NBYTES_PER_PARAM / device.memory_Bps
+    optimizer_s = model.num_params * OPTIMIZER_NBYTES_PER_PARAM / device.memory_bytes_per_s
     return Compute(forward_s, 2 * forward_s, optimizer_s, gradients, batch, model.name)
-
-
-def from_profile(profile: Profile) -> Compute:
-    """The compute a profile measured on real ranks."""
-    # Medians of different tensors can cross by a hair; a gradient is ready no earlier than the
-    # one before it in backprop order.
-    gradients, ready = [], 0.0
-    for t in profile.tensors:
-        ready = min(max(ready, t.ready_s), profile.backward_s)
-        gradients.append(Gradient(t.name, t.numel, ready))
-    name = str(profile.meta.get("model", profile.meta.get("workload", "")))
-    batch = int(profile.meta.get("batch_size", 1))
-    return Compute(profile.forward_s, profile.backward_s, profile.optimizer_s, tuple(gradients), batch, name)

@@ -1,7 +1,7 @@
 """The timeline simulator: one data-parallel training step, laid out in time on every worker.
 
 Every worker runs the forward pass, then the backward pass, which makes each group's gradients
-ready in backprop order. A ready group is exchanged by its strategy's phases (sim/strategy.py):
+ready in backprop order. A ready group is exchanged by its strategy's phases (sim/phases.py):
   - work on the worker's device: compression at the moment the group is ready delays the rest
     of the backward pass (the device is busy; Espresso's compute contention); work that comes
     after a transfer (decoding) takes its time from the backward pass if that is still running,
@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..strategy import Strategy, parse
 from . import groups as grouping
 from .cluster import Cluster
 from .compute import Compute
-from .strategy import Phase, Strategy, copy_phases, parse, payload_nbytes, phases
+from .phases import Phase, copy_phases, payload_nbytes, phases
 
 # Gantt lanes of worker 0 and its node; CPU threads are lanes "cpu 0", "cpu 1", ...
 COMPUTE, CODEC, CPU, NETWORK, INTRA, INTER = "compute", "codec", "cpu", "network", "intra-node", "inter-node"
@@ -93,7 +94,7 @@ class Result:
 def simulate(
     compute: Compute,
     cluster: Cluster,
-    strategy: Strategy | str | Sequence[Strategy | str] = "fp32",
+    strategy: Strategy | str | Sequence[Strategy | str] = "none",
     groups: Sequence[Sequence[int]] | None = None,
     jitter: float = 0.0,
     seed: int = 0,

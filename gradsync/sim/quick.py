@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..strategy import Strategy
 from .cluster import Cluster
 from .compute import Compute, Gradient
-from .strategy import Strategy, copy_phases, phases
+from .phases import copy_phases, phases
 
 # The columns of a cost vector: seconds of one group's exchange on each resource, in the order the
 # engine lays them out.

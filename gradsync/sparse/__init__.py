@@ -6,7 +6,7 @@ tensors, on every rank with the same bits:
   dense         scatter into a zero tensor, one allreduce
   agsparse      allgather every rank's rows (AGsparse)
   balanced      push rows to hash-chosen owners, owners allgather their sums (Zen)
-  hierarchical  recursive doubling, switching to dense when smaller (SparCML)
+  recursive-doubling  partners swap partial sums, switching to dense when smaller (SparCML)
 
 Example:
     >>> from gradsync import sparse
@@ -24,8 +24,8 @@ from ..registry import lookup
 from .agsparse import agsparse
 from .balanced import balanced
 from .dense import dense
+from .doubling import recursive_doubling
 from .hashing import HashPartition, Partition, RangePartition
-from .hierarchical import hierarchical
 from .result import SparseResult, Summed
 from .rows import SparseRows, sum_rows
 
@@ -35,7 +35,7 @@ SCHEMES: dict[str, Scheme] = {
     "dense": dense,
     "agsparse": agsparse,
     "balanced": balanced,
-    "hierarchical": hierarchical,
+    "recursive-doubling": recursive_doubling,
 }
 
 __all__ = [

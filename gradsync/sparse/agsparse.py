@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm, allgather_sent_bytes, allgather_sizes
+from ..comm import Comm, allgather_sent_nbytes, allgather_sizes
 from .result import SparseResult, Summed
 from .rows import SparseRows, frame_nbytes, from_frame, sum_rows, to_frame
 
@@ -32,5 +32,5 @@ def gather(rows: SparseRows, comm: Comm, finite: bool = True) -> tuple[list[Spar
     frame[: mine.numel()] = mine
     gathered = comm.allgather(frame).wait()
     parts = [from_frame(rows, data, count) for data, (count, _) in zip(gathered, sizes, strict=True)]
-    sent = allgather_sent_bytes(SIZE_NBYTES, n) + allgather_sent_bytes(frame.numel(), n)
+    sent = allgather_sent_nbytes(SIZE_NBYTES, n) + allgather_sent_nbytes(frame.numel(), n)
     return parts, all(flag == 0 for _, flag in sizes), sent

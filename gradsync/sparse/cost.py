@@ -10,7 +10,7 @@ where d_m is the density of the union of m ranks' rows (densification gamma_m = 
   dense         2 (n - 1) / n * M
   agsparse      (n - 1) * d * M * (1 + index overhead)
   balanced      (n - 1) / n * (d + d_n) * M, plus indices: 4-byte COO pushed, hash bitmap pulled
-  hierarchical  sum over rounds i of min(d_{2^i} * M + indices, M)
+  recursive-doubling  sum over rounds i of min(d_{2^i} * M + indices, M)
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..comm import allreduce_sent_bytes
+from ..comm import allreduce_sent_nbytes
 from ..wire import index_nbytes
 from .hashing import pull_index_nbytes
 
-HEADER_NBYTES = 16  # hierarchical: (rows, flag) before every message
+HEADER_NBYTES = 16  # recursive doubling: (rows, flag) before every message
 AGSPARSE_SIZE_NBYTES = 16  # agsparse: (rows, flag) allgathered first
 PUSH_COUNT_NBYTES = 8  # balanced: one int64 count to every other rank
 OWNER_SIZE_NBYTES = 24  # balanced: (rows, rows pushed, flag) allgathered before the pull
@@ -79,7 +79,7 @@ class Network:
     """
 
     alpha_s: float = 50e-6
-    bandwidth_Bps: float = 1e9 / 8
+    bytes_per_s: float = 1e9 / 8
     round_s: Mapping[str, float] | None = None
 
     def latency_s(self, collective: str, n: int) -> float:
@@ -88,7 +88,7 @@ class Network:
         return self.alpha_s * round_steps(collective, n)
 
     def seconds(self, nbytes: float, rounds: Sequence[str], n: int) -> float:
-        return sum(self.latency_s(c, n) for c in rounds) + nbytes / self.bandwidth_Bps
+        return sum(self.latency_s(c, n) for c in rounds) + nbytes / self.bytes_per_s
 
 
 def traffic(sparsity: Sparsity, n: int) -> dict[str, float]:
@@ -99,7 +99,7 @@ def traffic(sparsity: Sparsity, n: int) -> dict[str, float]:
         "dense": dense_nbytes(sparsity, n),
         "agsparse": agsparse_nbytes(sparsity, n),
         "balanced": balanced_nbytes(sparsity, n),
-        "hierarchical": hierarchical_nbytes(sparsity, n),
+        "recursive-doubling": doubling_nbytes(sparsity, n),
     }
 
 
@@ -111,7 +111,7 @@ def rounds(n: int) -> dict[str, tuple[str, ...]]:
         "dense": ("allreduce",),
         "agsparse": ("allgather", "allgather"),
         "balanced": ("all_to_all",) * 4,
-        "hierarchical": ("sendrecv",) * swaps,
+        "recursive-doubling": ("sendrecv",) * swaps,
     }
 
 
@@ -145,7 +145,7 @@ def fastest(sparsity: Sparsity, n: int, network: Network, dense_latency: bool = 
 
 
 def dense_nbytes(s: Sparsity, n: int) -> float:
-    return allreduce_sent_bytes(s.dense_nbytes + s.value_nbytes, n)  # + the flag element
+    return allreduce_sent_nbytes(s.dense_nbytes + s.value_nbytes, n)  # + the flag element
 
 
 def agsparse_nbytes(s: Sparsity, n: int) -> float:
@@ -161,7 +161,7 @@ def balanced_nbytes(s: Sparsity, n: int) -> float:
     return (n - 1) * (PUSH_COUNT_NBYTES + OWNER_SIZE_NBYTES + pull) + push
 
 
-def hierarchical_nbytes(s: Sparsity, n: int) -> float:
+def doubling_nbytes(s: Sparsity, n: int) -> float:
     power = _power_below(n)
     sizes = [1 << i for i in range(int(math.log2(power)))]
     if power != n:  # the busiest rank folds a partner's rows into its own, and sends it the total

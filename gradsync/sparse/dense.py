@@ -6,7 +6,7 @@ sparse scheme must match, and the winner once the summed rows cover most of the 
 
 from __future__ import annotations
 
-from ..comm import Comm, allreduce_sent_bytes
+from ..comm import Comm, allreduce_sent_nbytes
 from .result import SparseResult, Summed
 from .rows import SparseRows
 
@@ -19,5 +19,5 @@ def dense(rows: SparseRows, comm: Comm, finite: bool = True) -> SparseResult:
     table.index_copy_(0, rows.indices, rows.values)
     frame[numel] = 0 if finite else 1
     summed = comm.allreduce(frame).wait()
-    sent = allreduce_sent_bytes(frame.nbytes, comm.world_size)
+    sent = allreduce_sent_nbytes(frame.nbytes, comm.world_size)
     return SparseResult(Summed(rows.num_rows, dense=table), "dense", bool(summed[numel] == 0), sent)

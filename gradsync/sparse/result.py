@@ -71,6 +71,6 @@ class SparseResult:
     total: Summed  # the sum over ranks: the same bits on every rank
     scheme: str
     finite: bool  # False when some rank flagged its input as not finite
-    bytes_sent: int  # bytes this rank sent, every round and size exchange included
+    sent_nbytes: int  # bytes this rank sent, every round and size exchange included
     push_imbalance: float | None = None  # balanced only: max / mean of rows pushed to each owner
     pull_imbalance: float | None = None  # balanced only: max / mean of the owners' pull bytes

@@ -7,10 +7,15 @@ measurement costs no extra round), and every rank computes from the same gathere
   density        the mean fraction of rows per rank;
   overlap        |I_a & I_b| / min(|I_a|, |I_b|), the mean over pairs of ranks (Zen's C1);
   densification  the density of the union of m ranks' rows over one rank's, for m = 2, 4, ...,
-                 n (Zen's C2): what balanced pulls and hierarchical's rounds carry;
+                 n (Zen's C2): what balanced pulls and recursive doubling's rounds carry;
 then predicts each scheme's time with the alpha-beta model of cost.py and takes the fastest.
 Equal inputs give equal decisions on every rank, so no rank ever runs another scheme. The choice
 holds for `every` steps, then the tensor is measured again.
+
+The decisions depend on the gradients only, never on timings: the network they are priced on is a
+fixed one (by default a 1 Gbit/s link with 50 us per message), so two runs with equal seeds choose
+alike and sum alike, bit for bit. `calibrate` measures this group's network, for a Selector made
+with it on purpose (the sparse benchmark).
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def calibrate(comm: Comm, device: torch.device, repeats: int = 3) -> Network:
     ring_nbytes = 2 * (n - 1) / n * large.nbytes
     return Network(
         alpha_s=round_s["allreduce"] / (2 * (n - 1)),
-        bandwidth_Bps=ring_nbytes / max(slowest[-1] - round_s["allreduce"], 1e-9),
+        bytes_per_s=ring_nbytes / max(slowest[-1] - round_s["allreduce"], 1e-9),
         round_s=round_s,
     )
 
@@ -131,7 +136,7 @@ class Selector:
 
     def __init__(self, every: int, network: Network | None = None) -> None:
         self.every = every
-        self.network = network  # calibrated on first use when None
+        self.network = network or Network()
         self.choices: dict[str, Choice] = {}
 
     def due(self, key: str, step: int) -> bool:
@@ -144,8 +149,6 @@ class Selector:
     ) -> Choice:
         """Measure every rank's rows and record the fastest scheme for `key` (dense_latency: see
         cost.seconds)."""
-        if self.network is None:
-            self.network = calibrate(comm, parts[0].values.device)
         measured = measure(parts)
         predicted = seconds(measured.sparsity, len(parts), self.network, dense_latency)
         scheme = min(predicted, key=predicted.__getitem__)  # a tie: the first in table order
@@ -155,7 +158,7 @@ class Selector:
 
 
 def _group_sizes(n: int) -> list[int]:
-    """2, 4, ... up to n, and n itself: the unions balanced and hierarchical move."""
+    """2, 4, ... up to n, and n itself: the unions balanced and recursive doubling move."""
     sizes = list(itertools.takewhile(lambda m: m <= n, (1 << i for i in range(1, 64))))
     return sizes if n in sizes or n == 1 else [*sizes, n]
 

@@ -1,12 +1,10 @@
 """SyncConfig(plan="auto") on 2 real gloo ranks.
 
-- It measures, plans and confirms within its warm-up: candidates probed STEPS_EACH steps each (at
-  most 50 measured steps), one of them compressing nothing; the plan adopted is the one measured
-  fastest, the same on every rank, and the hook then executes exactly it.
-- Probing has no side effects: a run that planned by itself and a run given the adopted plan in a
-  file, compressing from the same step, reach bit-identical parameters, also where the adopted
-  plan compresses.
-- A checkpoint carries the adopted plan: a restored run executes it without planning again.
+- It measures, plans, tries each candidate for real and adopts the fastest measured: the same
+  plan on every rank, executed group by group, with every documented error-feedback form.
+- A checkpoint taken in any phase resumes there: one taken while measuring measures afresh and
+  plans; one taken while probing goes on probing the same candidates; one taken after adoption
+  continues the exact same trajectory, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,70 +12,90 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import pytest
 import torch
-from dist_harness import config, ddp, flat_params, make_mlp, run_ranks, sgd, train
+from dist_harness import batch, config, ddp, flat_params, make_mlp, run_ranks, sgd
+from torch import nn
 
 import gradsync
-from gradsync import autoplan
-from gradsync.plan import GroupPlan, Plan, signature
+from gradsync import autoplan, tuner
+from gradsync.plan import Plan
 
 WORLD = 2
-STEPS = 24
 CODEC = {"compressor": "topk", "compressor_args": {"ratio": 0.1}}
+PROBE_FROM = max(tuner.MEASURED + 1, config().warmup_steps)
+SAVE_AT = {"measuring": 3, "probing": PROBE_FROM + tuner.STEPS_EACH + 1, "adopted": 22}
+STEPS = 26
 
 
-def _auto_run(rank: int, world_size: int, forced: dict[str, Any] | None) -> dict[str, Any]:
-    """Train STEPS steps with plan="auto"; `forced`, a plan's dict, is then the only candidate."""
-    if forced is not None:
-        autoplan.candidates = lambda *args, **kwargs: [Plan.from_dict(forced)]
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    loss_fn = nn.CrossEntropyLoss()
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+
+def _checkpoint(state: gradsync.SyncState, model: nn.Module, opt: torch.optim.Optimizer) -> bytes:
+    out = io.BytesIO()
+    torch.save({"gradsync": state.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, out)
+    return out.getvalue()
+
+
+def _auto_run(rank: int, world_size: int, feedback: str) -> dict[str, Any]:
+    """Train STEPS steps with plan="auto", checkpointing at each SAVE_AT step."""
     model = ddp(make_mlp(0))
-    state = gradsync.register(model, config(plan="auto", **CODEC))
+    state = gradsync.register(model, config(plan="auto", error_feedback=feedback, **CODEC))
     opt = sgd(model)
-    train(model, opt, rank, range(STEPS))
+    saved = {}
+    for step in range(STEPS):
+        if step in SAVE_AT.values():
+            saved[step] = _checkpoint(state, model, opt)
+        _steps(model, opt, rank, range(step, step + 1))
     stats = state.stats()
-    checkpoint = io.BytesIO()
-    torch.save(state.state_dict(), checkpoint)
-    return {
-        "auto": stats["auto"],
-        "groups": stats["groups"],
-        "plan": state.plan.to_dict(),
-        "params": flat_params(model),
-        "state": checkpoint.getvalue(),
-    }
+    return {"stats": stats, "plan": state.plan.to_dict(), "params": flat_params(model), "saved": saved}
 
 
-def _planned_run(rank: int, world_size: int, plan: dict[str, Any], compress_from: int) -> torch.Tensor:
-    model = ddp(make_mlp(0))
-    gradsync.register(model, config(plan=Plan.from_dict(plan), warmup_steps=compress_from, **CODEC))
-    opt = sgd(model)
-    train(model, opt, rank, range(STEPS))
-    return flat_params(model)
+def _restored_runs(rank: int, world_size: int, saved: list[dict[int, bytes]]) -> dict[int, dict[str, Any]]:
+    """From each of this rank's checkpoints, a fresh model and state trained on to STEPS."""
+    out = {}
+    for step, data in saved[rank].items():
+        checkpoint = torch.load(io.BytesIO(data), weights_only=False)
+        model = ddp(make_mlp(0))
+        model.load_state_dict(checkpoint["model"])
+        state = gradsync.register(model, config(plan="auto", **CODEC))
+        state.load_state_dict(checkpoint["gradsync"])
+        opt = sgd(model)
+        opt.load_state_dict(checkpoint["opt"])
+        _steps(model, opt, rank, range(step, STEPS))
+        stats = state.stats()
+        out[step] = {
+            "auto": stats["auto"],
+            "plan": state.plan.to_dict() if state.plan else None,
+            "params": flat_params(model),
+        }
+    return out
 
 
-def _restored_run(rank: int, world_size: int, saved: bytes) -> dict[str, Any]:
-    model = ddp(make_mlp(0))
-    state = gradsync.register(model, config(plan="auto", **CODEC))
-    state.load_state_dict(torch.load(io.BytesIO(saved), weights_only=False))
-    train(model, sgd(model), rank, range(3))
-    return {"plan": state.plan.to_dict() if state.plan else None, "auto": state.stats()["auto"]}
+@pytest.fixture(scope="module")
+def auto_runs() -> list[dict[str, Any]]:
+    return run_ranks(_auto_run, WORLD, args=("auto",), timeout_s=240)
 
 
-def test_auto_measures_plans_confirms_and_executes_the_fastest_measured_candidate() -> None:
-    ranks = run_ranks(_auto_run, WORLD, args=(None,), timeout_s=180)
-    first = ranks[0]
-    assert all(r["plan"] == first["plan"] for r in ranks), "ranks adopted different plans"
-    assert all(torch.equal(r["params"], first["params"]) for r in ranks)
-    auto = first["auto"]
+def test_auto_measures_probes_and_executes_the_fastest_measured_candidate(auto_runs: list[dict]) -> None:
+    first = auto_runs[0]
+    assert all(r["plan"] == first["plan"] for r in auto_runs), "ranks adopted different plans"
+    assert all(torch.equal(r["params"], first["params"]) for r in auto_runs)
+    auto = first["stats"]["auto"]
     candidates = auto["candidates"]
     assert 1 <= len(candidates) <= autoplan.CANDIDATES
-    assert auto["planned_at_step"] == autoplan.MEASURED
-    assert auto["adopted_at_step"] == autoplan.MEASURED + len(candidates) * autoplan.STEPS_EACH
-    assert all(len(c["measured_s"]) == autoplan.STEPS_EACH for c in candidates)
-    assert sum(len(c["measured_s"]) for c in candidates) <= 50
-    assert auto["adopted_at_step"] < autoplan.warmup_steps(config(plan="auto"))
-    # One candidate compresses nothing, so compression is adopted only where it measured faster.
-    plans = [Plan.from_dict(p) for p in [first["plan"]]]
-    adopted = plans[0]
+    assert auto["measured_from_step"] == 0
+    assert auto["probed_from_step"] == PROBE_FROM
+    assert auto["adopted_at_step"] == PROBE_FROM + len(candidates) * tuner.STEPS_EACH
+    # Each candidate ran STEPS_EACH steps for real; its first is not counted.
+    assert all(len(c["measured_s"]) == tuner.STEPS_EACH - 1 for c in candidates)
+    adopted = Plan.from_dict(first["plan"])
     labels = [c["label"] for c in candidates]
     assert adopted.meta["chosen"] in labels and auto["chosen"] == adopted.meta["chosen"]
     # The adopted plan is the one of least measured time (the slowest rank's, in its alternatives).
@@ -87,37 +105,33 @@ def test_auto_measures_plans_confirms_and_executes_the_fastest_measured_candidat
     assert set(measured) == set(labels)
     assert adopted.measured_step_s == min(measured.values()) == measured[adopted.meta["chosen"]]
     # The hook executes exactly the adopted plan, group by group.
-    assert [g["strategy"] for g in first["groups"]] == [g.strategy for g in adopted.groups]
-    assert [g["codec"] for g in first["groups"]] == [g.parsed.codec for g in adopted.groups]
+    groups = first["stats"]["groups"]
+    assert [g["strategy"] for g in groups] == [g.parsed.text for g in adopted.groups]
+    assert [g["codec"] for g in groups] == [g.parsed.codec for g in adopted.groups]
 
 
-def _compressed_plan() -> Plan:
-    """make_mlp's parameters in two groups, both compressed by the config's codec."""
-    model = make_mlp(0)
-    params = list(model.parameters())
-    groups = [((5, 4, 3, 2), "topk:ratio=0.1:exchange=allgather"), ((1, 0), "topk:ratio=0.1:exchange=sparse")]
-    return Plan(
-        signature(model),
-        WORLD,
-        tuple(GroupPlan(ps, sum(params[p].numel() for p in ps), text) for ps, text in groups),
-        meta={"chosen": "forced"},
-    )
+def test_auto_takes_an_explicit_error_feedback_form() -> None:
+    # Its candidates include uncompressed plans and casts: "ef" applies to the groups it compresses.
+    runs = run_ranks(_auto_run, WORLD, args=("ef",), timeout_s=240)
+    assert runs[0]["stats"]["auto"]["adopted_at_step"] is not None
+    assert all(torch.equal(r["params"], runs[0]["params"]) for r in runs)
 
 
-def test_probing_has_no_side_effects_a_given_plan_reaches_the_same_bits() -> None:
-    for forced in (None, _compressed_plan().to_dict()):
-        auto = run_ranks(_auto_run, WORLD, args=(forced,), timeout_s=180)[0]
-        compress_from = max(config().warmup_steps, auto["auto"]["adopted_at_step"] + 1)
-        given = run_ranks(_planned_run, WORLD, args=(auto["plan"], compress_from), timeout_s=120)[0]
-        assert torch.equal(auto["params"], given), f"forced={forced is not None}"
-        if forced is not None:  # the adopted plan compressed: the check covered compression too
-            assert {g["codec"] for g in auto["groups"]} == {"topk"}
-            other = run_ranks(_planned_run, WORLD, args=(auto["plan"], compress_from + 1), timeout_s=120)[0]
-            assert not torch.equal(auto["params"], other)
-
-
-def test_a_checkpoint_carries_the_adopted_plan_and_a_restored_run_does_not_plan_again() -> None:
-    saved = run_ranks(_auto_run, WORLD, args=(None,), timeout_s=180)[0]
-    restored = run_ranks(_restored_run, WORLD, args=(saved["state"],), timeout_s=120)[0]
-    assert restored["plan"] == saved["plan"]
-    assert restored["auto"]["adopted_at_step"] == -1 and restored["auto"]["candidates"] == []
+def test_a_checkpoint_resumes_plan_auto_in_the_phase_it_was_taken(auto_runs: list[dict]) -> None:
+    saved_run = auto_runs[0]
+    restored = run_ranks(_restored_runs, WORLD, args=([r["saved"] for r in auto_runs],), timeout_s=240)[0]
+    auto = saved_run["stats"]["auto"]
+    # Taken while measuring: measures afresh from the restored step, then plans and adopts.
+    measuring = restored[SAVE_AT["measuring"]]["auto"]
+    assert measuring["measured_from_step"] == SAVE_AT["measuring"]
+    assert measuring["adopted_at_step"] is not None and restored[SAVE_AT["measuring"]]["plan"] is not None
+    # Taken while probing: the same candidates, the counted times kept, the same adoption step.
+    probing = restored[SAVE_AT["probing"]]["auto"]
+    assert [c["label"] for c in probing["candidates"]] == [c["label"] for c in auto["candidates"]]
+    assert probing["candidates"][0]["measured_s"] == auto["candidates"][0]["measured_s"]
+    assert probing["adopted_at_step"] == auto["adopted_at_step"]
+    # Taken after adoption: the same plan, and the exact same trajectory.
+    adopted = restored[SAVE_AT["adopted"]]
+    assert adopted["plan"] == saved_run["plan"]
+    assert adopted["auto"]["adopted_at_step"] == auto["adopted_at_step"]
+    assert torch.equal(adopted["params"], saved_run["params"])

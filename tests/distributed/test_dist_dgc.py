@@ -41,7 +41,7 @@ def dgc_and_momentum_sgd(rank: int, world_size: int) -> dict:
     )
     train(model, _sgd(model, 0.0), rank, range(STEPS))
     out["dgc"] = flat_params(model)
-    out["compressed_buckets"] = state.stats()["total"]["compressed_buckets"]
+    out["compressed_groups"] = state.stats()["total"]["compressed_groups"]
 
     # Plain DDP: no momentum during gradsync's warm-up, momentum SGD (a fresh buffer) after it.
     reference = ddp(make_mlp(seed=0), bucket_cap_mb=BUCKET_CAP_MB)
@@ -64,7 +64,7 @@ def runs() -> list[dict]:
 
 def test_dgc_with_ratio_one_and_no_masking_trains_as_momentum_sgd(runs: list[dict]) -> None:
     for rank, out in enumerate(runs):
-        assert out["compressed_buckets"] == 2 * (STEPS - WARMUP_STEPS), f"rank {rank}"
+        assert out["compressed_groups"] == 2 * (STEPS - WARMUP_STEPS), f"rank {rank}"
         assert not torch.equal(out["reference"], out["initial"]), "the reference did not train"
         diff = (out["dgc"] - out["reference"]).abs().max().item()
         assert torch.allclose(out["dgc"], out["reference"], rtol=RTOL, atol=ATOL), (

@@ -9,8 +9,9 @@ oracle itself:
 - When one rank's input is not finite, every rank learns it (finite False, no total), whatever
   the codec, including those whose payload holds no float (natural, signsgd, signum); the next
   exchange is finite and bit-identical on every rank.
-- payload_bytes counts this rank's payload (for the vote, its count words) without the flag;
-  bytes_sent is what a ring algorithm sends of the frame, flag and padding included.
+- payload_nbytes counts this rank's payload (for the vote, its count words) without the flag;
+  sent_nbytes is what a ring algorithm sends of the frame, flag and padding included (an
+  allreduced float payload has no flag: a rank whose input is not finite sends a NaN).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dist_harness import run_ranks
 
 from gradsync import compress, exchange
 from gradsync.comm import TorchComm
+from gradsync.exchange import Route
 
 NUM_RANKS = 4
 WORLD_SIZES = [2, 3, 4]
@@ -64,12 +66,12 @@ def majority(signs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _exchange(codec: compress.Compressor, x: torch.Tensor, comm: TorchComm, finite: bool = True) -> dict:
-    result = exchange.start(codec, x, comm, finite).wait()
+    result = exchange.start(codec, x, Route(comm), finite=finite).wait()
     return {
         "finite": result.finite,
         "total": result.total,
-        "payload_bytes": result.payload_bytes,
-        "bytes_sent": result.bytes_sent,
+        "payload_nbytes": result.payload_nbytes,
+        "sent_nbytes": result.sent_nbytes,
     }
 
 
@@ -157,10 +159,10 @@ def test_vote_is_the_sign_of_the_summed_signs_with_zero_on_ties_on_every_rank(
                 assert got["finite"]
                 assert got["total"].dtype == dtype
                 assert torch.equal(got["total"], expected), f"rank {rank}, {dtype}, {numel} elements"
-                assert got["payload_bytes"] == vote_payload_bytes(numel, world)
+                assert got["payload_nbytes"] == vote_payload_bytes(numel, world)
                 # One int32 ring allreduce of the count words and the flag word.
                 frame_nbytes = vote_payload_bytes(numel, world) + 4
-                assert got["bytes_sent"] == 2 * (world - 1) * frame_nbytes // world
+                assert got["sent_nbytes"] == 2 * (world - 1) * frame_nbytes // world
     # An even number of ranks ties somewhere in these inputs; an odd number never can.
     assert (ties > 0) == (world % 2 == 0)
 
@@ -223,17 +225,17 @@ def test_payload_bytes_exclude_the_flag_and_bytes_sent_include_it(
         got = out["clean"]
         own = sizes[rank]
         if codec.majority_vote:
-            assert got["payload_bytes"] == vote_payload_bytes(CODEC_NUMEL, world)
-            continue  # bytes_sent: see the vote test
-        assert got["payload_bytes"] == own, f"rank {rank}"
+            assert got["payload_nbytes"] == vote_payload_bytes(CODEC_NUMEL, world)
+            continue  # sent_nbytes: see the vote test
+        assert got["payload_nbytes"] == own, f"rank {rank}"
         if codec.fixed_size:
             assert own == out["bound"]
         else:
             assert own <= out["bound"]
-        if codec.rounds > 1:  # one ring allreduce per round, each with its flag
-            expected = sum(exchange.allreduce_sent_bytes(n + 4, world) for n in out["reference_nbytes"])
-        elif codec.summable:  # one ring allreduce; the flag is one element of the payload's type
-            expected = exchange.allreduce_sent_bytes(own + out["reference_itemsize"], world)
+        if codec.rounds > 1:  # one ring allreduce per round; a NaN tells of a non-finite input
+            expected = sum(exchange.allreduce_sent_nbytes(n, world) for n in out["reference_nbytes"])
+        elif codec.summable:  # one ring allreduce of the payload itself, no flag (a NaN instead)
+            expected = exchange.allreduce_sent_nbytes(own, world)
         else:  # a ring allgather of bytes, padded to the longest payload, and a flag byte
             expected = (world - 1) * (longest + 1)
-        assert got["bytes_sent"] == expected, f"rank {rank}"
+        assert got["sent_nbytes"] == expected, f"rank {rank}"

@@ -40,7 +40,7 @@ FAMILIES = {
     "allgather": ({"compressor": "qsgd"}, "allgather"),
     "allgather_sizes": ({"compressor": "threshold", "compressor_args": {"threshold": 0.01}}, "allgather"),
     "all_to_all": ({"compressor": "topk", "sparse_scheme": "balanced"}, "all_to_all"),
-    "sendrecv": ({"compressor": "topk", "sparse_scheme": "hierarchical"}, "sendrecv"),
+    "sendrecv": ({"compressor": "topk", "sparse_scheme": "recursive-doubling"}, "sendrecv"),
     "multi_round": ({"compressor": "powersgd"}, "allreduce"),
     "sparse_dense": ({"compressor": "topk", "sparse_scheme": "dense"}, "allreduce"),
 }

@@ -24,24 +24,25 @@ from dist_harness import batch, config, ddp, flat_params, make_mlp, run_ranks, s
 from torch import nn
 
 import gradsync
-from gradsync.comm import allgather_sent_bytes
+from gradsync import sparse
+from gradsync.comm import allgather_sent_nbytes
 from gradsync.plan import GroupPlan, Plan, signature
 
 WORLD = 2
 WARMUP = config().warmup_steps
 # make_mlp's parameters: 0 (48x32), 1 (48), 2 (24x48), 3 (24), 4 (8x24), 5 (8).
 GROUPS = [
-    ((5, 4), "fp32"),
-    ((3, 2), "fp16:exchange=allgather"),
+    ((5, 4), "none"),
+    ((3, 2), "fp16:collective=allgather"),
     ((1,), "qsgd"),
-    ((0,), "topk:ratio=0.1:exchange=sparse"),
+    ((0,), "topk:ratio=0.1:scheme=auto"),
 ]
-# (codec, exchange, feedback) each group must report having run.
-EXECUTED = [("none", "plain", "none"), ("fp16", "allgather", "none"), ("qsgd", "allgather", "none")]
-EXECUTED += [("topk", "sparse", "ef")]
+# (codec, collective, feedback) each group must report having run; the last also a sparse scheme.
+EXECUTED = [("none", "allreduce", "none"), ("fp16", "allgather", "none"), ("qsgd", "allgather", "none")]
+EXECUTED += [("topk", "allgather", "ef")]
 # (compressor, its arguments, error feedback, the same as a plan's strategy)
 UNIFORM = [
-    ("topk", {"ratio": 0.05}, "ef", "topk:ratio=0.05:exchange=sparse"),
+    ("topk", {"ratio": 0.05}, "ef", "topk:ratio=0.05"),  # allgathered, as without a plan
     ("qsgd", {}, "auto", "qsgd"),
     ("powersgd", {"rank": 2}, "ef", "powersgd:rank=2"),
 ]
@@ -182,8 +183,10 @@ def _group(grads: Sequence[torch.Tensor], params: Sequence[int]) -> torch.Tensor
 def test_the_hook_reports_running_each_groups_own_strategy(runs: list[dict]) -> None:
     for rank, out in enumerate(runs):
         groups = out["executed"]["groups"]
-        ran = [(g["codec"], g["exchange"], g["feedback"]) for g in groups]
+        ran = [(g["codec"], g["collective"], g["feedback"]) for g in groups]
         assert ran == EXECUTED, f"rank {rank} ran {ran}"
+        assert [g["scheme"] for g in groups[:3]] == [None, None, None]
+        assert groups[3]["scheme"] in sparse.names()  # the payload's rows by the selector's pick
         assert [g["strategy"] for g in groups] == [text for _, text in GROUPS]
         assert [g["tensors"] for g in groups] == [len(params) for params, _ in GROUPS]
         assert all(g["step"] == WARMUP + 1 for g in groups)
@@ -211,8 +214,8 @@ def test_the_fp16_group_is_allgathered_and_decoded_in_fp32(runs: list[dict]) -> 
     numel = decoded.numel()
     for out in runs:
         fp16 = out["executed"]["groups"][1]
-        assert fp16["numel"] == numel and fp16["payload_bytes"] == 2 * numel
-        assert fp16["bytes_sent"] == allgather_sent_bytes(2 * numel + 1, WORLD)  # + the finite flag
+        assert fp16["numel"] == numel and fp16["payload_nbytes"] == 2 * numel
+        assert fp16["sent_nbytes"] == allgather_sent_nbytes(2 * numel + 1, WORLD)  # + the finite flag
 
 
 @pytest.mark.parametrize("name", [case[0] for case in UNIFORM])

@@ -9,7 +9,7 @@ and computes the references itself:
   floats checks only closeness, and, like every case, that all ranks hold the same bits;
 - byte counts follow each scheme's messages: dense's ring allreduce of the table and a flag,
   agsparse's size exchange and padded allgather, balanced's counts, pushes, owner sizes and
-  its own pull (worked out here from the partition), hierarchical's header and min(sparse frame,
+  its own pull (worked out here from the partition), recursive doubling's header and min(sparse frame,
   dense) per message; cost.traffic must give the same bytes where it models them exactly.
 """
 
@@ -69,7 +69,7 @@ CASES = [
     Case("even_bitmap", 768, 1, "even", 40),
     Case("random_floats", 256, 4, "distinct", 192, integer=False),  # many rows summed from 3+ ranks
 ]
-# The flag travels with sparse messages and with dense ones (hierarchical merges both kinds).
+# The flag travels with sparse messages and with dense ones (recursive doubling merges both kinds).
 FINITE_CASES = [Case("finite_sparse", 64, 2, "distinct", 10), Case("finite_full", 64, 2, "distinct", 64)]
 ALL_NAMES = [case.name for case in [*CASES, *FINITE_CASES]]
 
@@ -140,7 +140,7 @@ def summarize(result: sparse.SparseResult) -> dict:
         "is_dense": result.total.is_dense,
         "nnz": result.total.nnz,
         "finite": result.finite,
-        "bytes_sent": result.bytes_sent,
+        "sent_nbytes": result.sent_nbytes,
         "push_imbalance": result.push_imbalance,
         "pull_imbalance": result.pull_imbalance,
         "scheme": result.scheme,
@@ -213,7 +213,7 @@ def dense_table_nbytes(case: Case, itemsize: int) -> int:
     return case.num_rows * case.width * itemsize
 
 
-def hierarchical_messages(world: int, rank: int) -> tuple[list[list[int]], list[list[int]], bool]:
+def doubling_messages(world: int, rank: int) -> tuple[list[list[int]], list[list[int]], bool]:
     """The groups of ranks whose rows the messages `rank` sends and receives carry, before the
     final one, and whether a final send of the total follows (recursive doubling over the largest
     power of two, the ranks past it folded into partners rank - power)."""
@@ -239,7 +239,7 @@ def hierarchical_messages(world: int, rank: int) -> tuple[list[list[int]], list[
 
 
 def message_nbytes(case: Case, dtype: torch.dtype, index_sets: list[torch.Tensor], group: list[int]) -> int:
-    """A hierarchical message carrying the sum of `group`'s rows: a header and the smaller form."""
+    """A recursive doubling message carrying the sum of `group`'s rows: a header and the smaller form."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     union = union_size([index_sets[r] for r in group])
     return 16 + min(frame_nbytes(case, union, itemsize), dense_table_nbytes(case, itemsize))
@@ -372,10 +372,10 @@ def test_cases_cover_both_index_formats_empty_inputs_and_duplicates(
     assert pull_formats == {"hash-bitmap", "coo"}
 
 
-# -- hierarchical: the switch to dense ---------------------------------------------------------------
+# -- recursive doubling: the switch to dense ---------------------------------------------------------------
 
 
-def test_hierarchical_goes_dense_exactly_when_a_message_would_be_larger_sparse(
+def test_recursive_doubling_goes_dense_exactly_when_a_message_would_be_larger_sparse(
     world_runs: tuple[int, list[dict]],
 ) -> None:
     world, runs = world_runs
@@ -383,10 +383,10 @@ def test_hierarchical_goes_dense_exactly_when_a_message_would_be_larger_sparse(
     for case in CASES:
         for dtype in DTYPES:
             index_sets = rank_indices(case, world, dtype)
-            for rank, out in enumerate(results(runs, case, dtype, "hierarchical")):
+            for rank, out in enumerate(results(runs, case, dtype, "recursive-doubling")):
                 # Its partial turns dense once it sends or receives a dense message (the final
                 # send of the total to a folded partner leaves the sender's own partial as it is).
-                sent, received, _ = hierarchical_messages(world, rank)
+                sent, received, _ = doubling_messages(world, rank)
                 expected = any(message_is_dense(case, dtype, index_sets, g) for g in sent + received)
                 assert out["is_dense"] == expected, f"{case.name}, {dtype}, rank {rank}"
                 switched += expected
@@ -410,7 +410,7 @@ def test_one_ranks_non_finite_flag_reaches_every_rank(
                 where = f"{case.name}: rank {flagged} flagged, rank {rank}"
                 assert got["finite"] == (flagged is None), where
                 assert torch.equal(got["dense"].double(), expected), f"{where}: the flag changed the sum"
-        if scheme == "hierarchical" and case.name == "finite_full":
+        if scheme == "recursive-doubling" and case.name == "finite_full":
             assert all(out["finite", case.name, None, scheme]["is_dense"] for out in runs)
 
 
@@ -433,7 +433,7 @@ def test_balanced_reports_its_push_and_pull_imbalance(world_runs: tuple[int, lis
                 assert out["push_imbalance"] >= 1.0 and out["pull_imbalance"] >= 1.0, where
                 assert out["push_imbalance"] == pytest.approx(ref["push_imbalance"]), where
                 assert out["pull_imbalance"] == pytest.approx(ref["pull_imbalance"]), where
-    for scheme in ("dense", "agsparse", "hierarchical"):
+    for scheme in ("dense", "agsparse", "recursive-doubling"):
         out = results(runs, CASES[0], DTYPES[0], scheme)[0]
         assert out["push_imbalance"] is None and out["pull_imbalance"] is None
 
@@ -483,13 +483,13 @@ def test_dense_and_agsparse_send_what_cost_traffic_predicts(world_runs: tuple[in
             agsparse_sent = (world - 1) * (16 + longest)
             for rank in range(world):
                 where = f"{case.name}, {dtype}, rank {rank}"
-                assert runs[rank][case.name, str(dtype), "dense"]["bytes_sent"] == dense_sent, where
+                assert runs[rank][case.name, str(dtype), "dense"]["sent_nbytes"] == dense_sent, where
                 assert predicted["dense"] == dense_sent, where
-                assert runs[rank][case.name, str(dtype), "agsparse"]["bytes_sent"] == agsparse_sent, where
+                assert runs[rank][case.name, str(dtype), "agsparse"]["sent_nbytes"] == agsparse_sent, where
                 assert predicted["agsparse"] == agsparse_sent, where
 
 
-def test_hierarchical_sends_a_header_and_the_smaller_form_per_message(
+def test_recursive_doubling_sends_a_header_and_the_smaller_form_per_message(
     world_runs: tuple[int, list[dict]],
 ) -> None:
     """Every rank's bytes follow its messages; cost.traffic, given the unions a rank sends, gives
@@ -500,18 +500,18 @@ def test_hierarchical_sends_a_header_and_the_smaller_form_per_message(
     for case in CASES:
         for dtype in DTYPES:
             index_sets = rank_indices(case, world, dtype)
-            for rank, out in enumerate(results(runs, case, dtype, "hierarchical")):
+            for rank, out in enumerate(results(runs, case, dtype, "recursive-doubling")):
                 where = f"{case.name}, {dtype}, rank {rank}"
-                sent, _, final = hierarchical_messages(world, rank)
+                sent, _, final = doubling_messages(world, rank)
                 messages = [*sent, list(range(world))] if final else sent
                 expected = sum(message_nbytes(case, dtype, index_sets, g) for g in messages)
-                assert out["bytes_sent"] == expected, where
+                assert out["sent_nbytes"] == expected, where
                 if world == power or rank == 0:
                     unions = {len(g): union_size([index_sets[r] for r in g]) / case.num_rows for g in sent}
                     unions[world] = union_size(index_sets) / case.num_rows
                     unions.setdefault(1, index_sets[rank].numel() / case.num_rows)
                     s = measured_sparsity(case, dtype, index_sets, union_density=unions)
-                    predicted = traffic(s, world)["hierarchical"]
+                    predicted = traffic(s, world)["recursive-doubling"]
                     assert predicted == expected, where
 
 
@@ -529,7 +529,9 @@ def test_balanced_sends_counts_pushes_owner_sizes_and_its_own_pull(
             for dtype in DTYPES:
                 ref = balanced_reference(case, world, dtype, partition)
                 for rank, out in enumerate(results(runs, case, dtype, run)):
-                    assert out["bytes_sent"] == ref["sent"][rank], f"{run}, {case.name}, {dtype}, rank {rank}"
+                    assert out["sent_nbytes"] == ref["sent"][rank], (
+                        f"{run}, {case.name}, {dtype}, rank {rank}"
+                    )
 
 
 def test_balanced_traffic_formula_is_exact_for_even_owners(world_runs: tuple[int, list[dict]]) -> None:
@@ -551,7 +553,7 @@ def test_balanced_traffic_formula_is_exact_for_even_owners(world_runs: tuple[int
             )
             predicted = traffic(s, world)["balanced"]
             for rank, out in enumerate(outs):
-                assert out["bytes_sent"] == pytest.approx(predicted, rel=1e-12), (
+                assert out["sent_nbytes"] == pytest.approx(predicted, rel=1e-12), (
                     f"{case.name}, {dtype}, rank {rank}"
                 )
 
@@ -575,7 +577,7 @@ def test_balanced_traffic_formula_is_close_to_the_busiest_ranks_bytes(
                 push_imbalance=outs[0]["push_imbalance"],
                 pull_imbalance=outs[0]["pull_imbalance"],
             )
-            busiest = max(out["bytes_sent"] for out in outs)
+            busiest = max(out["sent_nbytes"] for out in outs)
             assert traffic(s, world)["balanced"] == pytest.approx(busiest, rel=0.15), f"{case.name}, {dtype}"
             if case.all_empty:  # only the size exchanges: exact
                 assert traffic(s, world)["balanced"] == busiest == (world - 1) * (8 + 24)

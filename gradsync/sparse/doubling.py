@@ -1,4 +1,4 @@
-"""hierarchical: SparCML's recursive doubling, switching to dense once that is smaller
+"""recursive-doubling: SparCML's recursive doubling, switching to dense once that is smaller
 (Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Learning", SC 2019).
 
 In round i each rank swaps its partial sum with rank (rank XOR 2^i) and both add the two, so
@@ -42,7 +42,7 @@ class _Partial:
         return DENSE, self.table.view(-1).view(torch.uint8)  # type: ignore[union-attr]
 
 
-def hierarchical(rows: SparseRows, comm: Comm, finite: bool = True) -> SparseResult:
+def recursive_doubling(rows: SparseRows, comm: Comm, finite: bool = True) -> SparseResult:
     n, me = comm.world_size, comm.rank
     power = 1 << (n.bit_length() - 1)  # the largest power of two <= n
     sent = 0
@@ -121,4 +121,4 @@ def _result(partial: _Partial, like: SparseRows, sent: int) -> SparseResult:
         total = Summed(like.num_rows, parts=[partial.rows])
     else:
         total = Summed(like.num_rows, dense=partial.table)
-    return SparseResult(total, "hierarchical", partial.flag == 0, sent)
+    return SparseResult(total, "recursive-doubling", partial.flag == 0, sent)

@@ -1,22 +1,13 @@
-"""How one group of gradients is exchanged, and what each phase of that costs on a cluster.
+"""What each phase of a group's exchange costs on a cluster: the simulator's view of a Strategy.
 
-A strategy is written `codec[:key=value...]`, with the codec's own arguments plus:
-  exchange=allreduce|allgather|hierarchical   the collective; default: allreduce when the codec's
-                                              payloads are summable, allgather otherwise;
-  exchange=sparse                             rows by the sparse scheme (Zen's and others) that
-                                              gradsync.sparse prices cheapest: fp32 sends the
-                                              group's embedding gradients so (the rest in one
-                                              allreduce), a sparsifier (topk, dgc) its payload
-  on=device|cpu                               where (de)compression runs; cpu offloads it to a
-                                              CPU thread, paying the host link both ways
-`fp32` (or `none`) is the plain allreduce; `fp16`, `topk:ratio=0.01`, `qsgd:exchange=hierarchical`
-are others. A group's strategy becomes a list of phases (`Phase`): work on the worker's device
-or CPU, or a transfer on the intra-node or inter-node links, which the simulator lays out in time.
+A group's strategy (gradsync.strategy) becomes a list of phases (`Phase`): work on the worker's
+device or CPU, or a transfer on the intra-node or inter-node links, which the simulator lays out in
+time.
 
-Hierarchical (two-level) exchange, as Espresso's and HiTopKComm's: summable payloads are allreduced
-in two levels; other payloads are reduce-scattered in fp32 inside the node, each worker compresses
-its 1/g share, the shares' payloads are allgathered across nodes and decoded, and the node
-allgathers the decoded shares in fp32.
+Two-level exchange (collective=two-level), as Espresso's and HiTopKComm's: summable payloads are
+allreduced in two levels; other payloads are reduce-scattered in fp32 inside the node, each worker
+compresses its 1/g share, the shares' payloads are allgathered across nodes and decoded, and the
+node allgathers the decoded shares in fp32.
 """
 
 from __future__ import annotations
@@ -29,22 +20,18 @@ from typing import Any
 
 import torch
 
-from .. import compress, cost, registry
-from ..config import NO_COMPRESSION
+from .. import compress, cost
 from ..sparse import cost as sparse_cost
 from ..sparse.cost import Network, Sparsity
+from ..strategy import Strategy, codec, sums
 from .cluster import KERNEL_S, Cluster
 from .compute import Gradient
-
-EXCHANGES = ("allreduce", "allgather", "hierarchical", "sparse")
-PLACES = ("device", "cpu")
-FP32_NAMES = ("fp32", NO_COMPRESSION)
 
 # A codec's compress cost on a GPU, modelled from its kernels: (kernel launches, bytes moved per
 # fp32 input byte). Counted from the implementations' tensor passes, not measured (no GPU here); a
 # profile measured on the GPU replaces them. Unlisted codecs take _DEFAULT_COMPRESS.
 _COMPRESS_COST: dict[str, tuple[int, float]] = {
-    "identity": (0, 0.0),
+    "none": (0, 0.0),
     "fp16": (1, 1.5),  # read 4 bytes, write 2
     "bf16": (1, 1.5),
     "topk": (6, 6.0),  # |x|, a sampled threshold, a select and a gather
@@ -57,84 +44,6 @@ _COMPRESS_COST: dict[str, tuple[int, float]] = {
 }
 _DEFAULT_COMPRESS = (5, 4.0)
 _DECODE_KERNELS = 2  # unpack, then add into the sum
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One group's exchange: a codec with its arguments, a collective and where codecs run."""
-
-    codec: str = NO_COMPRESSION
-    args: tuple[tuple[str, Any], ...] = ()
-    exchange: str = "allreduce"
-    on: str = "device"
-
-    def __post_init__(self) -> None:
-        if self.exchange not in EXCHANGES:
-            raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
-        if self.on not in PLACES:
-            raise ValueError(f"on={self.on!r} is not one of {PLACES}")
-        if self.exchange == "sparse" and self.compressed and not _codec(self.codec, self.args).sparse_rows:
-            raise ValueError(
-                f"strategy {self.text!r}: {self.codec}'s payload is not sparse rows, so no sparse scheme "
-                "can send it; the sparse exchange takes fp32 (an embedding's rows) or a sparsifier "
-                "such as topk or dgc"
-            )
-        if self.compressed:
-            codec = _codec(self.codec, self.args)  # unknown names and arguments fail here
-            if self.exchange == "allreduce" and not type(codec).summable:
-                raise ValueError(
-                    f"strategy {self.text!r}: {self.codec}'s payloads are not summable, so they cannot "
-                    "be allreduced; use exchange=allgather or exchange=hierarchical"
-                )
-        elif self.on == "cpu":
-            raise ValueError(f"strategy {self.text!r}: nothing to offload without a codec; drop on=cpu")
-
-    @property
-    def compressed(self) -> bool:
-        return self.codec != NO_COMPRESSION
-
-    @property
-    def spec(self) -> str:
-        """The codec with its arguments, as gradsync.profile names measured fits: `topk:ratio=0.01`."""
-        return ":".join([self.codec, *(f"{k}={v}" for k, v in self.args)])
-
-    @property
-    def text(self) -> str:
-        name = "fp32" if not self.compressed else self.spec
-        default = "allreduce" if not self.compressed else _default_exchange(self.codec, self.args)
-        extra = [f"exchange={self.exchange}"] if self.exchange != default else []
-        extra += [f"on={self.on}"] if self.on != "device" else []
-        return ":".join([name, *extra])
-
-    def payload_bytes(self, numel: int) -> int:
-        """Bytes one worker's payload for `numel` fp32 elements takes on the wire."""
-        if not self.compressed:
-            return 4 * numel
-        return _codec(self.codec, self.args).payload_bytes(numel)
-
-
-def parse(text: str) -> Strategy:
-    """A Strategy from `codec[:key=value...]`; unknown names and options raise ValueError."""
-    name, options = registry.parse_spec(text, "strategy")
-    if not name:
-        raise ValueError(f"strategy {text!r} names no codec; e.g. 'fp32', 'fp16' or 'topk:ratio=0.01'")
-    exchange = options.pop("exchange", None)
-    on = options.pop("on", "device")
-    codec = NO_COMPRESSION if name in FP32_NAMES else name
-    if codec == NO_COMPRESSION:
-        if options:
-            raise ValueError(f"strategy {text!r}: fp32 takes no codec options, got {sorted(options)}")
-    elif codec not in compress.names():
-        raise ValueError(
-            f"strategy {text!r}: unknown codec {name!r}; choose fp32 or one of {compress.names()}"
-        )
-    args = tuple(sorted(options.items()))
-    try:
-        if exchange is None:
-            exchange = "allreduce" if codec == NO_COMPRESSION else _default_exchange(codec, args)
-        return Strategy(codec, args, exchange, on)
-    except (TypeError, KeyError) as error:
-        raise ValueError(f"strategy {text!r}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -156,27 +65,27 @@ class Phase:
 
 def phases(strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gradient] = ()) -> list[Phase]:
     """The phases of exchanging one group of `numel` fp32 elements, in order; `sparse` are the
-    group's embedding gradients, which exchange=sparse sends as rows."""
+    group's embedding gradients, which a scheme sends as rows."""
     n, g = cluster.world_size, cluster.gpus_per_node
     if n == 1:
         return []
-    if strategy.exchange == "sparse" and not strategy.compressed:
+    if strategy.scheme is not None and not strategy.compressed:
         return _sparse_rows(numel, sparse, cluster)
-    if strategy.exchange == "hierarchical" and cluster.nodes > 1 and g > 1:
-        return _hierarchical(strategy, numel, cluster)
+    if strategy.collective == "two-level" and cluster.nodes > 1 and g > 1:
+        return _two_level(strategy, numel, cluster)
     payload = strategy.payload_bytes(numel)
     steps: list[Phase] = []
     if strategy.compressed:
         steps += _codec_phase(strategy, "compress", numel, cluster, 1)
-    if strategy.exchange == "allgather":
-        steps.append(_transfer(cluster, "allgather", payload, n))
-        decodes = n  # every worker's payload is decoded and added
-    elif strategy.exchange == "sparse":
+    if strategy.scheme is not None:
         # The payload's values as rows of one element: the union of n workers' picks is modelled as
         # independent draws, as for embedding rows (_sparse_rows).
         kept = payload / 8  # index and value per element sent
         steps.append(_sparse_phase(numel, 1, kept / numel, cluster))
         decodes = 1  # the schemes deliver the summed rows
+    elif strategy.collective == "allgather":
+        steps.append(_transfer(cluster, "allgather", payload, n))
+        decodes = n  # every worker's payload is decoded and added
     else:
         dtype = payload_dtype(strategy)
         steps.append(_transfer(cluster, "allreduce", payload, n, dtype))
@@ -192,7 +101,7 @@ def copy_phases(steps: list[Phase], numel: int, cluster: Cluster) -> list[Phase]
     fp32 bytes each way through device memory. Nothing to copy where nothing is exchanged."""
     if not steps:
         return steps
-    seconds = 2 * 4 * numel / cluster.device.memory_Bps  # read and write
+    seconds = 2 * 4 * numel / cluster.device.memory_bytes_per_s  # read and write
     return [Phase("device", "copy out", seconds), *steps, Phase("device", "copy back", seconds)]
 
 
@@ -227,7 +136,7 @@ def _sparse_network(cluster: Cluster) -> Network:
     """The alpha-beta network gradsync.sparse's cost model prices schemes on."""
     if cluster.collectives is None:
         link = cluster.inter if cluster.nodes > 1 else cluster.intra
-        return Network(link.alpha_s, link.bandwidth_Bps)
+        return Network(link.alpha_s, link.bytes_per_s)
     # Measured: the ring allreduce's fit read back as per-message latency and link bandwidth.
     n, fit = cluster.world_size, cluster.collectives["allreduce"]
     bandwidth = 2 * (n - 1) / n / fit.per_unit_s if fit.per_unit_s else float("inf")
@@ -244,14 +153,14 @@ def payload_nbytes(strategy: Strategy, numel: int, cluster: Cluster) -> int:
 
 
 def _splits_into_shares(strategy: Strategy, cluster: Cluster) -> bool:
-    two_level = strategy.exchange == "hierarchical" and cluster.nodes > 1 and cluster.gpus_per_node > 1
+    two_level = strategy.collective == "two-level" and cluster.nodes > 1 and cluster.gpus_per_node > 1
     return two_level and strategy.compressed and not _summable(strategy)
 
 
-def _hierarchical(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
+def _two_level(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
     g, nodes = cluster.gpus_per_node, cluster.nodes
     # The g workers of a node run their inter-node rings at once: each gets 1/g of the NIC.
-    share = cost.Link(cluster.inter.alpha_s, cluster.inter.bandwidth_Bps / g)
+    share = cost.Link(cluster.inter.alpha_s, cluster.inter.bytes_per_s / g)
     if not _splits_into_shares(strategy, cluster):
         payload = strategy.payload_bytes(numel)
         steps = _codec_phase(strategy, "compress", numel, cluster, 1) if strategy.compressed else []
@@ -305,7 +214,7 @@ def _codec_phase(strategy: Strategy, which: str, numel: int, cluster: Cluster, p
     seconds = codec_seconds(strategy, which, numel, cluster, payloads)
     if strategy.on == "cpu":
         # The fp32 data crosses the host link to the CPU and back (compress: out; decompress: in).
-        seconds += 4 * numel / cluster.device.pcie_Bps
+        seconds += 4 * numel / cluster.device.pcie_bytes_per_s
     return [Phase(strategy.on, which, seconds)]
 
 
@@ -330,7 +239,7 @@ def codec_seconds(strategy: Strategy, which: str, numel: int, cluster: Cluster, 
             return hook["after"](numel) + (payloads - 1) * fits["decompress"](numel)
         # A measured decode is of one payload into a fresh tensor; each payload pays it.
         return fits[which](numel) * (payloads if which == "decompress" else 1)
-    bandwidth = cluster.cpu_Bps if strategy.on == "cpu" else cluster.device.memory_Bps
+    bandwidth = cluster.cpu_bytes_per_s if strategy.on == "cpu" else cluster.device.memory_bytes_per_s
     launch = 0.0 if strategy.on == "cpu" else KERNEL_S
     if which == "compress":
         kernels, passes = _COMPRESS_COST.get(strategy.codec, _DEFAULT_COMPRESS)
@@ -338,17 +247,14 @@ def codec_seconds(strategy: Strategy, which: str, numel: int, cluster: Cluster, 
     # Decoding reads each payload and adds it into the sum: every element for a dense codec, only
     # the sent ones (8 bytes each: index and value, as in the payload) for a sparsifier.
     payload = strategy.payload_bytes(numel)
-    touched = payload if _codec(strategy.codec, strategy.args).sparse_rows else 8 * numel
+    touched = payload if codec(strategy.codec, strategy.args).sparse_rows else 8 * numel
     per_payload = _DECODE_KERNELS * launch + (payload + touched) / bandwidth
     return 4 * numel / bandwidth + payloads * per_payload  # zero the sum once, then add each
 
 
 def _summable(strategy: Strategy) -> bool:
-    return type(_codec(strategy.codec, strategy.args)).summable
-
-
-def _default_exchange(codec: str, args: tuple[tuple[str, Any], ...]) -> str:
-    return "allreduce" if type(_codec(codec, args)).summable else "allgather"
+    """Whether the payloads are summed on the way (allreduce in two levels), not gathered."""
+    return sums(type(codec(strategy.codec, strategy.args)))
 
 
 @lru_cache(maxsize=256)
@@ -360,9 +266,3 @@ def _payload_dtype(name: str, args: tuple[tuple[str, Any], ...]) -> str:
 def payload_dtype(strategy: Strategy) -> str:
     """The dtype a strategy's payload is summed in: "float32" uncompressed, "float16" for fp16."""
     return _payload_dtype(strategy.codec, strategy.args) if strategy.compressed else "float32"
-
-
-@lru_cache(maxsize=256)
-def _codec(name: str, args: tuple[tuple[str, Any], ...]) -> compress.Compressor:
-    """A codec instance, to ask its declared payload size and flags; cached: the simulator asks often."""
-    return compress.build(name, **dict(args))

@@ -1,0 +1,133 @@
+"""register(): gradsync on a DDP model in one line.
+
+It resolves the config's plan (a Plan, its dict, a plan file, or "auto"), checks it against the
+model before any training, and installs the hook: gradsync.ddp's for a plan or none, the tuner's
+for plan="auto".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .comm import TorchComm
+from .config import AUTO_PLAN, SyncConfig
+from .ddp import SyncState, hook
+from .plan import Plan
+from .tuner import AutoState, auto_hook
+
+log = logging.getLogger("gradsync")
+
+
+def register(model: DistributedDataParallel, config: SyncConfig | None = None) -> SyncState:
+    """Install gradsync's communication hook on a DDP model and return its state.
+
+    Call it once, on every rank, before the first backward pass, with the same config.
+
+    Example:
+        >>> model = DistributedDataParallel(net)
+        >>> state = gradsync.register(model, gradsync.SyncConfig(compressor="topk",
+        ...                           compressor_args={"ratio": 0.01}, error_feedback="ef"))
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"gradsync.register expects a torch.nn.parallel.DistributedDataParallel model, got "
+            f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
+        )
+    if config is None:
+        config = SyncConfig()
+    if not isinstance(config, SyncConfig):
+        raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
+    comm = TorchComm(model.process_group)
+    if config.plan == AUTO_PLAN:
+        _refuse_sparse_gradients(model)
+        state: SyncState = AutoState(config, comm, model)
+        installed = auto_hook
+    else:
+        if config.plan is not None:  # a bad plan fails here, before training
+            plan = read_plan(config.plan)
+            plan.check(model, comm.world_size)
+            _check_executable(plan, model)
+            config = dataclasses.replace(config, plan=plan)  # its codecs checked with the config's feedback
+        state = SyncState(config, comm, model)
+        installed = hook
+    try:
+        model.register_comm_hook(state, installed)
+    except BaseException:
+        state.close()  # nothing of gradsync stays behind on a model it could not be installed on
+        raise
+    log.info("gradsync registered on rank %d of %d: %s", comm.rank, comm.world_size, config)
+    return state
+
+
+def read_plan(value: Any) -> Plan:
+    """The plan `value` names: a Plan, a plan's dict, or the path of a plan file."""
+    if isinstance(value, Plan):
+        plan = value
+    elif isinstance(value, Mapping):
+        plan = Plan.from_dict(value)
+    elif isinstance(value, (str, os.PathLike)):
+        plan = Plan.load(value)  # ValueError naming the file and what is wrong with it
+    else:
+        raise TypeError(f"plan={value!r} is a {type(value).__name__}, not a plan, its dict or a file")
+    for index, group in enumerate(plan.groups):
+        if "seed" in dict(group.parsed.args):
+            raise ValueError(
+                f"plan group {index} has strategy {group.strategy!r}, which sets seed; drop it and set "
+                "SyncConfig(seed=...) instead: gradsync derives each group's seed from it so that ranks agree"
+            )
+    return plan
+
+
+def _check_executable(plan: Plan, model: nn.Module) -> None:
+    """Refuse, before training, what the hook cannot execute yet, naming the group and the fix."""
+    params = list(model.parameters())
+    sparse_grads = _sparse_gradient_params(model)
+    for index, (group, strategy) in enumerate(zip(plan.groups, plan.strategies, strict=True)):
+        where = f"plan group {index} (strategy {group.strategy!r})"
+        if strategy.collective == "two-level":
+            raise ValueError(
+                f"{where}: collective=two-level needs intra- and inter-node process groups, which "
+                "gradsync's hook does not build yet; use collective=allreduce (summable codecs) or "
+                "collective=allgather, or make the plan afresh"
+            )
+        on_device = [p for p in group.params if params[p].device.type != "cpu"]
+        if strategy.on == "cpu" and on_device:
+            raise ValueError(
+                f"{where}: on=cpu offloads compression to a CPU thread, which gradsync's hook does not "
+                f"do yet, and parameters {on_device} are on {params[on_device[0]].device}; drop on=cpu "
+                "(compress on the device) or make the plan afresh"
+            )
+        sparse = sorted(sparse_grads & set(group.params))
+        if sparse:
+            raise ValueError(
+                f"{where}: parameters {sparse} have sparse (COO) gradients (nn.Embedding(sparse=True)), "
+                "which a plan's groups cannot hold yet; use sparse=False and strategy none:scheme=auto "
+                "for the embedding, or run without a plan"
+            )
+
+
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    sparse = sorted(_sparse_gradient_params(model))
+    if sparse:
+        raise ValueError(
+            f"SyncConfig(plan='auto'): parameters {sparse} have sparse (COO) gradients "
+            "(nn.Embedding(sparse=True)), which a plan's groups cannot hold; use sparse=False (the "
+            "planner then weighs sending the embedding's rows by gradsync.sparse), or no plan"
+        )
+
+
+def _sparse_gradient_params(model: nn.Module) -> set[int]:
+    """Positions in model.parameters() of the parameters whose gradients are sparse COO tensors."""
+    sparse = {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+    }
+    return {index for index, p in enumerate(model.parameters()) if id(p) in sparse}

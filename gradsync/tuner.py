@@ -1,0 +1,362 @@
+"""plan="auto": measure the model in its first steps, plan, try the best plans on real steps,
+and keep the fastest.
+
+What the hook does with SyncConfig(plan="auto"), step by step (steps as the hook counts them, from
+registration or from a restored checkpoint's step r; r = 0 for a fresh run):
+
+  steps r .. r+MEASURED  uncompressed on DDP's buckets, as any warm-up step; hooks note when each
+                      step's forward pass starts and ends and when each gradient is ready
+                      (`StepTimer`); steps r+2 .. are counted (r: DDP's first iteration, r+1: its
+                      first on rebuilt buckets, slower by one-off allocations).
+  start of step r+MEASURED+1  every rank measures the collectives and each codec of the strategy
+                      space; with the compute timeline, the slowest rank's numbers make a measured
+                      cluster, from which gradsync.autoplan ranks the candidate plans (rank 0's
+                      list, sent to all: every rank tries the same).
+  probing             from the later of that step and config.warmup_steps: each of at most
+                      CANDIDATES candidates runs STEPS_EACH steps for real, one after the other;
+                      a step's time is from its forward pass's start to the next one's (the
+                      optimizer included), and each candidate's first step is not counted
+                      (allocations). Where one candidate hands over to the next, what its error
+                      memories hold is carried into the next step's gradients: nothing the
+                      compression held back is lost.
+  adoption            at the start of the step after the last probe: the candidate of least
+                      time (the slowest rank's least) becomes the plan, as a plan given in a file.
+
+The candidates, their measured times and the adopted plan are agreed by every rank and recorded in
+stats()["auto"] and in the checkpoint: a run resumed in any phase goes on from there (one resumed
+before the candidates were made measures afresh), and a run given the adopted plan as a file runs
+it from its first compressed step. Timings decide, so two fresh runs may adopt different plans.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+
+from . import profile
+from .autoplan import CANDIDATES, Measured, candidates, codec_specs
+from .comm import Comm, allgather_object
+from .config import SyncConfig
+from .cost import fit_linear
+from .ddp import SyncState, hook
+from .plan import Plan, signature
+from .sim import cluster as clusters
+from .sim.compute import Compute, Gradient
+from .strategy import Strategy
+
+log = logging.getLogger("gradsync")
+
+MEASURED = 4  # steps of a timeline measurement, the first two not counted
+STEPS_EACH = 3  # probe steps per candidate; the first (allocations, codec set-up) is not counted
+# Collective sizes (bytes per rank) and codec sizes (elements) for the start-up fits: fewer and
+# smaller than gradsync.profile's defaults, to keep start-up short.
+COLLECTIVE_NBYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+CODEC_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20)
+REPEATS = 3
+
+
+def warmup_steps(config: SyncConfig) -> int:
+    """Steps before the adopted plan runs, in a fresh run: measuring, then probing from the later of
+    the step after it and config.warmup_steps."""
+    return max(MEASURED + 1, config.warmup_steps) + CANDIDATES * STEPS_EACH
+
+
+class StepTimer:
+    """When each step's forward pass starts and ends and each gradient is ready, by hooks on the
+    DDP model and its parameters; stop_gradients() removes all but the forward start's, close()
+    that one too."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.params = list(model.parameters())
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.forward_start: list[float] = []
+        self.forward_end: list[float] = []
+        self.ready: list[dict[int, float]] = []  # per step: parameter position -> when
+        self.synced: dict[int, float] = {}  # step -> when its last exchange completed
+        self._start = model.register_forward_pre_hook(self._forward_started)
+        self._handles = [model.register_forward_hook(self._forward_ended)]
+        for index, p in enumerate(self.params):
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._ready_hook(index)))
+
+    def _forward_started(self, *_: object) -> None:
+        self.forward_start.append(time.perf_counter())
+        self.ready.append({})
+
+    def _forward_ended(self, *_: object) -> None:
+        self.forward_end.append(time.perf_counter())
+
+    def _ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def ready(_: torch.Tensor) -> None:
+            if self.ready:
+                self.ready[-1][index] = time.perf_counter()
+
+        return ready
+
+    def stop_gradients(self) -> None:
+        """Stop timing the forward pass's end and each gradient: only step times are left to take."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def close(self) -> None:
+        self.stop_gradients()
+        self._start.remove()
+
+    def timeline(self, steps: Sequence[int]) -> tuple[float, float, float, dict[int, float]]:
+        """(forward_s, backward_s, optimizer_s, ready_s per parameter): medians over `steps`.
+
+        The backward pass runs from the forward pass's end to the last gradient; the optimizer
+        from the later of that and the step's last exchange to the next forward pass."""
+        forward, backward, optimizer, ready = [], [], [], {}
+        for k in steps:
+            started, ended, marks = self.forward_start[k], self.forward_end[k], self.ready[k]
+            last = max(marks.values(), default=ended)
+            forward.append(ended - started)
+            backward.append(last - ended)
+            if k + 1 < len(self.forward_start):
+                optimizer.append(max(0.0, self.forward_start[k + 1] - max(last, self.synced.get(k, last))))
+            for index, mark in marks.items():
+                ready.setdefault(index, []).append(mark - ended)
+        return (
+            statistics.median(forward),
+            statistics.median(backward),
+            statistics.median(optimizer) if optimizer else 0.0,
+            {index: statistics.median(times) for index, times in ready.items()},
+        )
+
+
+def measure(
+    timer: StepTimer, comm: Comm, config: SyncConfig, names: Sequence[str], steps: Sequence[int]
+) -> Measured:
+    """The compute timeline of `steps` and this cluster's collective and codec costs; every number
+    the slowest rank's. Every rank must call it at the same point."""
+    device = timer.device
+    forward_s, backward_s, optimizer_s, ready = timer.timeline(steps)
+    values = [forward_s, backward_s, optimizer_s] + [ready.get(i, -1.0) for i in range(len(timer.params))]
+    slowest = profile.slowest_rank(comm, values, device)
+    forward_s, backward_s, optimizer_s = slowest[:3]
+    # A trainable parameter no rank saw a gradient for (unused in these steps) is still in DDP's
+    # buckets, so the plan must hold it: as if ready when the backward pass ends.
+    ready_s = {
+        i: t if t >= 0 else backward_s
+        for i, t in enumerate(slowest[3:])
+        if t >= 0 or timer.params[i].requires_grad
+    }
+    order = sorted(ready_s, key=lambda i: (ready_s[i], i))
+    gradients, last = [], 0.0
+    for i in order:
+        last = min(max(last, ready_s[i]), backward_s)  # ready order, within the backward pass
+        gradients.append(Gradient(names[i], timer.params[i].numel(), last))
+    compute = Compute(forward_s, backward_s, optimizer_s, tuple(gradients), name="auto")
+
+    specs = codec_specs(config)
+    compression, hook = {}, {}
+    for spec in specs:
+        fits = profile.measure_compression(spec, CODEC_SIZES, REPEATS, config.seed, device)
+        slowest = profile.slowest_rank(comm, fits["compress"] + fits["decompress"], device)
+        half = len(CODEC_SIZES)
+        compression[spec] = {
+            "compress": fit_linear(CODEC_SIZES, slowest[:half]),
+            "decompress": fit_linear(CODEC_SIZES, slowest[half:]),
+        }
+        path = profile.hook_config(spec)
+        sizes = sorted({max(n, path.min_compress_numel) for n in CODEC_SIZES})
+        timed = profile.measure_hook(path, sizes, REPEATS, config.seed, device)
+        slowest = profile.slowest_rank(comm, timed["before"] + timed["after"], device)
+        hook[spec] = {
+            "before": fit_linear(sizes, slowest[: len(sizes)]),
+            "after": fit_linear(sizes, slowest[len(sizes) :]),
+        }
+    collectives = ["allreduce", "allgather", "all_to_all", "allreduce:float16", "allreduce:bfloat16"]
+    fits = profile.probe_collectives(comm, COLLECTIVE_NBYTES, REPEATS, device, collectives)
+    (copy_bytes_per_s,) = profile.slowest_rank(comm, [-copy_bandwidth(device)], device)  # the slowest's
+    host = dataclasses.replace(clusters.CPU_HOST, memory_bytes_per_s=-copy_bytes_per_s)
+    where = clusters.measured(
+        comm.world_size, fits, compression, hook, name=f"{comm.world_size} measured ranks"
+    )
+    return Measured(compute, dataclasses.replace(where, device=host), tuple(order))
+
+
+def copy_bandwidth(device: torch.device, numel: int = 1 << 24) -> float:
+    """Bytes per second one copy moves through memory (read and write), as the hook's copies of
+    a group out of DDP's buckets and back: the median of REPEATS concatenations of two halves."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+    halves = [x[: numel // 2], x[numel // 2 :]]
+    torch.cat(halves)  # the allocator's first time
+    seconds = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        torch.cat(halves)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return 2 * x.nbytes / statistics.median(seconds)
+
+
+class AutoState(SyncState):
+    """A SyncState that makes its plan in the first steps (module docstring); returned by
+    gradsync.register for SyncConfig(plan="auto")."""
+
+    def __init__(self, config: SyncConfig, comm: Comm, model: DistributedDataParallel) -> None:
+        super().__init__(config, comm, model)
+        self.model_signature = signature(model)
+        self.names = profile.parameter_names(model)
+        self.numels = [p.numel() for p in model.parameters()]
+        self.timer = StepTimer(model)
+        self.measure_from = 0  # the first step of the timeline measurement
+        self.candidates: list[Plan] = []
+        self.probe_from: int | None = None  # the first probe step, once the candidates are made
+        self.probe_s: dict[int, list[float]] = {}  # candidate -> its counted steps' seconds
+        self.adopted_at: int | None = None  # the step the adopted plan first ran
+        self._started = -1  # the newest step whose start was handled
+        self._forward: dict[int, int] = {}  # step -> the timer's index of its forward pass
+
+    @property
+    def done(self) -> bool:
+        return self.adopted_at is not None
+
+    def close(self) -> None:
+        self.timer.close()
+
+    def start_step(self, step: int, last_bucket: Future | None = None) -> None:
+        """At a step's first bucket: note its forward pass, and plan, probe or adopt where due."""
+        if step == self._started:
+            return
+        self._started = step
+        self._forward[step] = len(self.timer.forward_start) - 1
+        if self.done:
+            return
+        if self.probe_from is None and step == self.measure_from + MEASURED + 1:
+            self._make_candidates(range(self.measure_from + 2, step))
+        if self.probe_from is None or step < self.probe_from:
+            return
+        probed = step - 1 - self.probe_from  # the probe step that just ended
+        counted = probed % STEPS_EACH and step - 1 in self._forward  # not a candidate's first step
+        if 0 <= probed < len(self.candidates) * STEPS_EACH and counted:
+            seconds = (
+                self.timer.forward_start[self._forward[step]]
+                - self.timer.forward_start[self._forward[step - 1]]
+            )
+            self.probe_s.setdefault(probed // STEPS_EACH, []).append(seconds)
+        probing = step - self.probe_from
+        if probing >= len(self.candidates) * STEPS_EACH:
+            self._adopt(step)
+        elif probing % STEPS_EACH == 0:
+            self.use_plan(self.candidates[probing // STEPS_EACH], carry=True)
+
+    def stats(self) -> dict[str, Any]:
+        """As SyncState.stats(), and under "auto" what plan="auto" measured and chose."""
+        return {
+            **super().stats(),
+            "auto": {
+                "measured_from_step": self.measure_from,
+                "probed_from_step": self.probe_from,
+                "adopted_at_step": self.adopted_at,
+                "candidates": [
+                    {
+                        "label": p.meta.get("chosen"),
+                        "predicted_s": p.predicted_step_s,
+                        "measured_s": self.probe_s.get(c, []),
+                    }
+                    for c, p in enumerate(self.candidates)
+                ],
+                "chosen": self.plan.meta.get("chosen") if self.done and self.plan is not None else None,
+            },
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """As SyncState.state_dict(), with the planning so far: the candidates, their times, the
+        plan in use and what is carried into the next step."""
+        plan = self.plan.to_dict() if self.plan is not None else None  # type: ignore[attr-defined]
+        auto = {
+            "measure_from": self.measure_from,
+            "candidates": [p.to_dict() for p in self.candidates],
+            "probe_from": self.probe_from,
+            "probe_s": {c: list(times) for c, times in self.probe_s.items()},
+            "adopted_at": self.adopted_at,
+            "plan": plan,
+            "carry": {p: t.clone() for p, t in self._carry.items()},
+        }
+        return {**super().state_dict(), "auto": auto}
+
+    def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
+        problems = super()._state_problems(state)
+        if "auto" not in state:
+            problems.append("it lacks 'auto': it was not saved by a run with SyncConfig(plan='auto')")
+        return problems
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        auto = state["auto"]
+        self.candidates = [Plan.from_dict(p) for p in auto["candidates"]]
+        self.probe_from = auto["probe_from"]
+        self.probe_s = {int(c): list(times) for c, times in auto["probe_s"].items()}
+        self.adopted_at = auto["adopted_at"]
+        if self.probe_from is None:  # saved before the candidates were made: measure afresh
+            self.measure_from = state["step"]
+        if auto["plan"] is not None:
+            self.use_plan(Plan.from_dict(auto["plan"]))
+        else:
+            self.plan, self._strategies = None, []
+        super()._restore(state)  # the points of the plan in use, and the step
+        self._carry = {int(p): t.clone() for p, t in auto["carry"].items()}
+        self._started = -1
+        if self.done or self.probe_from is not None:
+            self.timer.stop_gradients()
+
+    def _strategy(self, group: int, numel: int, step: int, compress: bool) -> Strategy:
+        if self.plan is None:  # measuring: nothing is compressed before a candidate runs
+            return self._uncompressed
+        return super()._strategy(group, numel, step, compress)
+
+    def _make_candidates(self, steps: Sequence[int]) -> None:
+        comm = self._comm()
+        indices = [self._forward[k] for k in steps if k in self._forward]
+        found = measure(self.timer, comm, self.config, self.names, indices)
+        buckets = [self._ddp_layout[i] for i in sorted(self._ddp_layout)]
+        mine = candidates(found, self.config, self.model_signature, buckets) if comm.rank == 0 else []
+        # Every rank plans from the same numbers; rank 0's list is taken so that no rounding
+        # difference can make ranks probe, or adopt, different plans.
+        lists = allgather_object(comm, [p.to_dict() for p in mine], self.timer.device)
+        self.candidates = [Plan.from_dict(p) for p in lists[0]]
+        self.probe_from = max(self._started, self.config.warmup_steps)
+        self.timer.stop_gradients()
+        log.info(
+            "gradsync plan='auto': %d candidates, tried from step %d", len(self.candidates), self.probe_from
+        )
+
+    def _adopt(self, step: int) -> None:
+        """Take the candidate of least measured time (the slowest rank's least of its counted
+        steps: load from elsewhere only ever adds time); earlier candidates win ties."""
+        counted = [min(self.probe_s.get(c) or [float("inf")]) for c in range(len(self.candidates))]
+        slowest = profile.slowest_rank(self._comm(), counted, self.timer.device)
+        best = min(range(len(slowest)), key=lambda c: (slowest[c], c))
+        measured = {
+            f"{p.meta.get('chosen')} (measured)": t for p, t in zip(self.candidates, slowest, strict=True)
+        }
+        chosen = self.candidates[best].with_measured(slowest[best], **measured)
+        self.use_plan(chosen, carry=True)
+        self.adopted_at = step
+        self.timer.close()
+        log.info("gradsync plan='auto' adopted at step %d:\n%s", step, chosen.describe())
+
+
+def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook under plan="auto": the start of each step plans, probes or adopts;
+    the bucket itself goes through gradsync's hook."""
+    state.start_step(state.step)
+    future = hook(state, bucket)
+    if bucket.is_last() and state.probe_from is None:  # measuring: when the step's exchange ended
+        index = state._forward.get(state.step - 1)
+        if index is not None:
+            future.add_done_callback(lambda _: state.timer.synced.__setitem__(index, time.perf_counter()))
+    return future
