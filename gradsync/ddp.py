@@ -14,6 +14,7 @@ No `from __future__ import annotations` here: DDP checks the hook's annotations 
 """
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -35,13 +36,13 @@ from .feedback import Feedback
 from .regroup import Regroup
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
-from .strategy import Strategy, default_collective, parse
+from .strategy import Strategy, default_collective
 from .trace import GroupRecord, Trace
 
 log = logging.getLogger("gradsync")
 
 STATE_FORMAT = 2  # state_dict's layout; 2: rank, world size, step and config recorded and checked
-_UNCOMPRESSED = parse(NO_COMPRESSION)
+_STATE_KEYS = ("rank", "world_size", "step", "config", "model", "points", "layout", "sparse")
 
 
 @dataclass
@@ -78,6 +79,7 @@ class SyncState:
         self._param_index: dict[int, int] | None = {id(p): i for i, p in enumerate(params)} if model else None
         self._param_shapes = [p.shape for p in params]
         self._embeddings = _embedding_params(model) if model is not None else set()
+        self._shapes_digest = _digest(self._param_shapes) if model is not None else None
         # -- the plan executed from the first compressed step on; None: config.compressor per bucket
         self.plan: PlanLike | None = None
         self._strategies: list[Strategy] = []
@@ -205,6 +207,7 @@ class SyncState:
             "world_size": self.world_size,
             "step": self.step,
             "config": self.config.to_dict(),
+            "model": self._shapes_digest,  # the parameters' shapes, hashed: None without a model
             "points": {index: point.state_dict() for index, point in self.points.items()},
             "layout": {index: list(params) for index, params in self.layout.items()},
             "sparse": self.sparse.state_dict(),
@@ -508,6 +511,11 @@ class SyncState:
                 "is its own. Save one file per rank (state_dict() on every rank), or one file for all with "
                 "full_state_dict() on every rank"
             )
+        if None not in (state["model"], self._shapes_digest) and state["model"] != self._shapes_digest:
+            problems.append(
+                "it was saved for a model with other parameters (their shapes differ): its error memories "
+                "would not fit; load a checkpoint of this model, or register afresh"
+            )
         if state["config"] != self.config.to_dict():
             problems.append(
                 f"it was made with SyncConfig {state['config']}, but this run uses {self.config.to_dict()}: "
@@ -645,7 +653,9 @@ def _own_part(state: Any, rank: int, world_size: int) -> tuple[Mapping[str, Any]
         if len(parts) != world_size:
             return None, [f"it holds {len(parts)} ranks' states, this run has {world_size} ranks"]
         state = parts[rank]
-    missing = sorted({"rank", "world_size", "step", "config", "points", "layout", "sparse"} - set(state))
+    missing = sorted(
+        {"rank", "world_size", "step", "config", "model", "points", "layout", "sparse"} - set(state)
+    )
     if missing:
         return None, [f"it lacks {missing}: not a whole SyncState.state_dict()"]
     return state, []
@@ -661,6 +671,12 @@ def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     elif isinstance(tree, (list, tuple)):
         for value in tree:
             yield from _tensors(value, prefix)
+
+
+def _digest(shapes: Sequence[torch.Size]) -> str:
+    """A short hash of the parameters' shapes, in model.parameters() order."""
+    text = ";".join("x".join(map(str, shape)) for shape in shapes)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _key(planned: bool, group: int) -> str:

@@ -392,3 +392,16 @@ def test_exchange_refuses_to_allgather_codecs_without_a_decode_per_payload(name:
         ValueError, match=rf"collective='allgather' for {type(codec).__name__}.*allreduces of its own"
     ):
         exchange.start(codec, torch.randn(64, 8), Route(LocalComm()), collective="allgather")
+
+
+def test_a_failed_register_leaves_no_hooks_behind(one_rank: None) -> None:
+    # DDP takes one comm hook per model: a second register() fails, and must take back the timers
+    # plan="auto" put on the model, or they would run on every step from then on.
+    model = DistributedDataParallel(Net())
+    gradsync.register(model, config())
+    counts = (len(model._forward_pre_hooks), len(model._forward_hooks))
+    grad_hooks = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="register_comm_hook"):
+        gradsync.register(model, config(plan="auto"))
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == counts
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == grad_hooks

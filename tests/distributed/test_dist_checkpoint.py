@@ -1,4 +1,5 @@
-"""Saving and restoring mid-run continues the exact trajectory of an uninterrupted run.
+"""Saving and restoring mid-run continues the exact trajectory of an uninterrupted run, and a bad
+checkpoint is refused on every rank before anything is loaded.
 
 Run A trains 12 steps. Run B trains 6, saves model, optimizer and gradsync state to bytes, then
 builds a fresh model (initialized differently), DDP and gradsync state, loads all three and trains
@@ -14,11 +15,14 @@ first step after the restore sees a bucket layout other than the one the state w
 
 from __future__ import annotations
 
+import copy
 import io
+import re
 
 import pytest
 import torch
-from dist_harness import config, ddp, flat_params, make_mlp, run_ranks, sgd, train
+from dist_harness import IN_FEATURES, config, ddp, flat_params, make_mlp, run_ranks, sgd, train
+from torch import nn
 
 import gradsync
 
@@ -39,8 +43,17 @@ CASES = [
 BUCKET_CAPS_MB = [None, 0.004]
 
 
-def _run(rank: int, cfg: gradsync.SyncConfig, cap_mb: float | None, seed: int, steps: range, ckpt=None):
-    model = ddp(make_mlp(seed=seed), bucket_cap_mb=cap_mb)
+def _run(
+    rank: int,
+    cfg: gradsync.SyncConfig,
+    cap_mb: float | None,
+    seed: int,
+    steps: range,
+    ckpt: bytes | None = None,
+    model_width: int | None = None,
+):
+    net = make_mlp(seed=seed) if model_width is None else nn.Sequential(nn.Linear(IN_FEATURES, model_width))
+    model = ddp(net, bucket_cap_mb=cap_mb)
     state = gradsync.register(model, cfg)
     opt = sgd(model)
     if ckpt is not None:
@@ -111,3 +124,77 @@ def test_a_checkpoint_taken_as_warm_up_ends_resumes_exactly() -> None:
     for rank, out in enumerate(runs):
         result = out["topk", "ef"]
         assert torch.equal(result["resumed"], result["continuous"]), f"rank {rank} left the trajectory"
+
+
+# -- bad checkpoints are refused on every rank -----------------------------------------------------
+
+REFUSALS = {
+    "another rank's": r"rank 0's state, loaded on rank 1.*full_state_dict",
+    "another step's": r"different steps \{0: 4, 1: 3\}",
+    "a non-finite memory": r"rank 1: its group 0 feedback error hold NaN or inf",
+    "missing keys": r"lacks \['points'\]",
+    "a negative step": r"step is -5",
+    "another model": r"a model with other parameters",
+    "another config": r"resume with the same SyncConfig",
+    "another world size": r"run of 3 ranks, this run has 2",
+    "not a state": r"a dict from SyncState.state_dict\(\), got a list",
+}
+
+
+def bad_checkpoints(rank: int, world_size: int) -> dict:
+    cfg = config(compressor="topk", compressor_args={"ratio": 0.05}, error_feedback="ef")
+    model, opt, state = _run(rank, cfg, None, 0, range(3))
+    at_3 = state.state_dict()
+    train(model, opt, rank, range(3, 4))
+    at_4 = state.state_dict()
+    everyone = state.full_state_dict()  # every rank's state at step 4, for one file
+    nan = {
+        **at_4,
+        "points": {
+            0: {
+                **at_4["points"][0],
+                "feedback": {"error": at_4["points"][0]["feedback"]["error"] * float("nan")},
+            }
+        },
+    }
+    bad = {
+        "another rank's": everyone["ranks"][0],
+        "another step's": at_4 if rank == 0 else at_3,
+        "a non-finite memory": nan if rank == 1 else at_4,
+        "missing keys": {k: v for k, v in at_4.items() if k != "points"} if rank == 0 else at_4,
+        "a negative step": {**at_4, "step": -5},
+        "another model": _run(rank, cfg, None, 0, range(3), model_width=40)[2].state_dict(),
+        "another config": _run(rank, config(compressor="qsgd"), None, 0, range(3))[2].state_dict(),
+        "another world size": {**at_4, "world_size": 3},
+        "not a state": [at_4],
+    }
+    out = {}
+    for case, saved in bad.items():
+        _, _, fresh = _run(rank, cfg, None, 0, range(0))
+        try:
+            fresh.load_state_dict(saved)
+            out[case] = None
+        except ValueError as error:
+            out[case] = (str(error), fresh.step)
+    # One file for all ranks: each takes its own part and continues as the uninterrupted run.
+    model_b, opt_b, resumed = _run(rank, cfg, None, 0, range(0))
+    model_b.module.load_state_dict(model.module.state_dict())
+    opt_b.load_state_dict(copy.deepcopy(opt.state_dict()))  # its momentum buffers, not shared
+    resumed.load_state_dict(everyone)
+    train(model, opt, rank, range(4, 6))
+    train(model_b, opt_b, rank, range(4, 6))
+    out["single file"] = torch.equal(flat_params(model), flat_params(model_b))
+    return out
+
+
+def test_every_bad_checkpoint_is_refused_on_every_rank_and_one_file_for_all_resumes_exactly() -> None:
+    results = run_ranks(bad_checkpoints, 2, timeout_s=120)
+    for rank, out in enumerate(results):
+        for case, expected in REFUSALS.items():
+            refused = out[case]
+            assert refused is not None, f"rank {rank} accepted {case} checkpoint"
+            message, step = refused
+            assert message.startswith("gradsync: load_state_dict refused, nothing was loaded"), message
+            assert re.search(expected, message, re.S), f"{case}: {message}"
+            assert step == 0, f"{case}: rank {rank} loaded part of it"
+        assert out["single file"], f"rank {rank} left the trajectory after a single-file restore"
