@@ -257,15 +257,14 @@ class SyncState:
     ) -> Future[torch.Tensor]:
         """Average one group: the straight walk, everything it keeps and everything it records."""
         comm = self._comm()
-        x.div_(comm.world_size)  # before compressing: low-precision sums cannot overflow
-        if self._carry and params is not None:
-            self._add_carried(x, params)
         strategy = self._strategy(group, x.numel(), step, compress)
         route = exchange.Route(
             comm, self.lane, self.sparse, _key(self.plan is not None and compress, group), step
         )
         started = time.perf_counter()
         if not strategy.compressed:
+            x.div_(comm.world_size)
+            self._add_carried(x, params)
             tables = self._tables(params, x.numel(), strategy)
             future = exchange.uncompressed(x, route, tables, strategy.scheme)
             shown = self.plan is None or compress  # a plan's warm-up runs DDP's buckets, not its groups
@@ -273,8 +272,16 @@ class SyncState:
                 future, lambda result: self._record(result, x, group, step, strategy, None, started, shown)
             )
         point = self._point(group, x)
-        finite = _is_finite(x)
-        p = point.feedback.prepare(x) if finite else x  # a non-finite gradient never enters a memory
+        # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
+        # payload carries NaN and inf by itself: no check, no flag (as PyTorch's fp16 hook).
+        guard = not (
+            type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
+        )
+        finite = not guard or _is_finite(x)
+        # p: what is compressed, from this rank's share x / n (the division first: low-precision
+        # sums cannot overflow); error memory added. A non-finite gradient never enters a memory.
+        p = point.feedback.prepare(x, comm.world_size) if finite else x
+        self._add_carried(p, params)
         # The sum is decoded into `x`, as PyTorch's own hooks return the bucket they were given (a
         # fresh full-size tensor costs as much in page faults as a copy), wherever nothing reads `x`
         # afterwards: what was compressed is another tensor, or its decode is not needed again.
@@ -289,6 +296,7 @@ class SyncState:
             finite,
             out=x if into_x else None,
             keep_local=uses_local,
+            guard=guard,
         )
 
         def finish(result: exchange.Exchanged) -> torch.Tensor:
@@ -354,8 +362,10 @@ class SyncState:
                 held = self._carry.get(param)
                 self._carry[param] = part.clone() if held is None else held.add_(part)
 
-    def _add_carried(self, x: torch.Tensor, params: Sequence[int]) -> None:
+    def _add_carried(self, x: torch.Tensor, params: Sequence[int] | None) -> None:
         """x += what is carried for its parameters (in buffer order), which is then used up."""
+        if not self._carry or params is None:
+            return
         flat, offset = x.view(-1), 0
         for param in params:
             numel = self._param_shapes[param].numel()

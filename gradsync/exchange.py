@@ -106,16 +106,18 @@ def start(
     finite: bool = True,
     out: torch.Tensor | None = None,
     keep_local: bool = True,
+    guard: bool = True,
 ) -> Future[Exchanged]:
     """Compress `x`, exchange the payload as `collective` (or, for a sparsifier, by sparse `scheme`)
     and return a future of the decoded sum. By default the collective is allreduce where ranks sum
     the codec's payloads (summable, multi-round, votes), else allgather.
 
     `finite` False: this rank's `x` is not finite; it sends zeros and tells the others. `out`
-    (shaped like `x`, sharing no memory with it) receives the sum instead of a fresh tensor, except
-    for multi-round codecs, which decode as a whole. `keep_local` False promises that the
-    caller never asks for its own decoded payload (no error feedback), so a summable payload is
-    allreduced in place.
+    (shaped like `x`, sharing no memory with it) receives the sum instead of a fresh tensor.
+    `keep_local` False promises that the caller never asks for its own decoded payload (no error
+    feedback), so a summable payload is allreduced in place. `guard` False: nothing keeps state a
+    non-finite step could poison, and the codec carries NaN and inf by itself (its declared
+    preserves_nonfinite), so no rank checks the result: it is decoded as it is, `finite` True.
     """
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
@@ -131,9 +133,8 @@ def start(
         )
     source = x if finite else torch.zeros_like(x)
     if kind.rounds > 1:
-        return route.lane.run(
-            lambda: _rounds(codec, source, route.comm, finite), blocking=True, device=x.device
-        )
+        program = lambda: _rounds(codec, source, route.comm, finite, out)  # noqa: E731
+        return route.lane.run(program, blocking=True, device=x.device)
     if scheme is not None:
         if not kind.sparse_rows:
             raise ValueError(f"scheme={scheme!r} for {kind.__name__}, whose payload is not sparse rows")
@@ -143,7 +144,7 @@ def start(
     if collective == "allreduce":
         if not kind.summable:
             raise ValueError(f"collective='allreduce' for {kind.__name__}, whose payloads are not summable")
-        program = lambda: _allreduce(codec, source, route.comm, finite, keep_local, out)  # noqa: E731
+        program = lambda: _allreduce(codec, source, route.comm, finite, keep_local, out, guard)  # noqa: E731
         return route.lane.run(program, blocking=False, device=x.device)
     if collective != "allgather":
         raise ValueError(
@@ -203,7 +204,13 @@ def _tables(x: torch.Tensor, tables: Sequence[Table], route: Route, scheme: str 
 
 
 def _allreduce(
-    codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, keep_local: bool, out: torch.Tensor | None
+    codec: Compressor,
+    x: torch.Tensor,
+    comm: Comm,
+    finite: bool,
+    keep_local: bool,
+    out: torch.Tensor | None,
+    guard: bool = True,
 ) -> Future[Exchanged]:
     clock = _Clock()
     payload, ctx = codec.compress(x)
@@ -223,7 +230,7 @@ def _allreduce(
     def done(summed: torch.Tensor) -> Exchanged:
         clock.lap("communicate")
         body = summed[:-1] if flagged else summed
-        if (flagged and summed[-1] != 0) or not _all_finite((body,)):
+        if guard and ((flagged and summed[-1] != 0) or not _all_finite((body,))):
             return Exchanged("allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
         summed_payload = _split(body, payload)
         if out is None:
@@ -363,7 +370,9 @@ def _sparse(
     )
 
 
-def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool) -> Future[Exchanged]:
+def _rounds(
+    codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool, out: torch.Tensor | None
+) -> Future[Exchanged]:
     """Multi-round summable protocol: every round but the last waits, since the next depends on it."""
     clock = _Clock()
     payload, ctx = codec.begin(x)  # type: ignore[attr-defined]
@@ -392,10 +401,9 @@ def _rounds(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool) -> Fut
         clock.lap("communicate")
         if not _all_finite((summed,)):
             return Exchanged("allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
-        total, local = codec.finish(_split(summed, payload), ctx)  # type: ignore[attr-defined]
+        total, local, subtract = codec.finish(_split(summed, payload), ctx, out)  # type: ignore[attr-defined]
         clock.lap("decompress")
-        # The local decode comes from the last round as a whole: feedback subtracts local().
-        return Exchanged("allreduce", None, total, local, True, payload_nbytes, sent, clock.seconds)
+        return Exchanged("allreduce", None, total, local, True, payload_nbytes, sent, clock.seconds, subtract)
 
     return then(comm.allreduce(frame), done, frame.device)
 
@@ -426,9 +434,10 @@ def _framed(parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
 
 
 def _all_finite(tensors: Payload) -> bool:
-    # One reduction pass, in fp32 so that a sum of finite fp16 values cannot overflow.
+    # One reduction pass: the least and the greatest value are finite only where every value is
+    # (a NaN makes both NaN), and unlike a sum they cannot overflow.
     return all(
-        bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+        all(bool(torch.isfinite(v)) for v in torch.aminmax(t.view(-1))) if t.numel() else True
         for t in tensors
         if t.is_floating_point()
     )

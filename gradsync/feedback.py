@@ -2,7 +2,7 @@
 
 One Feedback object per compression point (per DDP bucket). A step with feedback is:
 
-    p = fb.prepare(g)                  # what to compress
+    p = fb.prepare(g, n)               # what to compress, from this rank's share g / n
     ... compress p, exchange, decode ...
     out = fb.update(g, p, local, total, remove_local_)
 
@@ -14,7 +14,9 @@ that declares reads_gradient False may find `g` overwritten by then (the hook de
 into it). The caller calls `update` only for steps whose gradients were finite on every rank,
 so non-finite values never enter a memory; a point's steps run one after the other.
 
-`prepare` returns `g` itself or a tensor that shares no memory with `g`.
+`prepare` returns `g` itself or a tensor that shares no memory with `g`. It divides by the world
+size n where that costs nothing extra: residual feedback writes e + g / n straight into its spare
+buffer and leaves `g` alone; the others divide `g` in place first (they read it in update).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ class Feedback:
     uses_local: ClassVar[bool] = False  # whether update() calls `local` (or `remove_local_`)
     reads_gradient: ClassVar[bool] = False  # whether update() reads the values of `g`
 
-    def prepare(self, g: torch.Tensor) -> torch.Tensor:
-        return g
+    def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
+        return g.div_(world_size) if world_size != 1 else g
 
     def update(
         self,
@@ -113,12 +115,14 @@ class ErrorFeedback(Feedback):
         self.error: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None  # where the next p is written
 
-    def prepare(self, g: torch.Tensor) -> torch.Tensor:
+    def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         error = self._memory("error", g)
         spare = self._spare
         if spare is None or spare.shape != g.shape or spare.dtype != g.dtype or spare.device != g.device:
             spare = self._spare = torch.empty_like(g)
-        return torch.add(g, error, out=spare)
+        if world_size == 1:
+            return torch.add(g, error, out=spare)
+        return torch.add(error, g, alpha=1 / world_size, out=spare)  # one pass: e + g / n
 
     def update(
         self,
@@ -149,7 +153,9 @@ class EF21(Feedback):
         self.h_local: torch.Tensor | None = None
         self.h_mean: torch.Tensor | None = None
 
-    def prepare(self, g: torch.Tensor) -> torch.Tensor:
+    def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
+        if world_size != 1:
+            g.div_(world_size)
         return g - self._memory("h_local", g)
 
     def update(
@@ -184,7 +190,9 @@ class EControl(Feedback):
         self.h_local: torch.Tensor | None = None
         self.h_mean: torch.Tensor | None = None
 
-    def prepare(self, g: torch.Tensor) -> torch.Tensor:
+    def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
+        if world_size != 1:
+            g.div_(world_size)
         innovation = g - self._memory("h_local", g)
         return innovation.add_(self._memory("error", g), alpha=self.eta)
 

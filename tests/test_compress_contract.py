@@ -573,12 +573,15 @@ def test_powersgd_rounds_over_simulated_ranks_decode_to_the_sum_of_inputs() -> N
     second = [c.next_round(p_sum, ctx) for c, (_, ctx) in zip(codecs, begun, strict=True)]
     q_sum = (sum(q for (q,), _ in second),)
     finished = [c.finish(q_sum, ctx) for c, (_, ctx) in zip(codecs, second, strict=True)]
-    totals = [total for total, _ in finished]
+    totals = [total for total, _, _ in finished]
     expected = xs[0] + xs[1] + xs[2]
     assert all(torch.equal(t, totals[0]) for t in totals)  # the same bits on every rank
     torch.testing.assert_close(totals[0], expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
-    locals_sum = sum(local() for _, local in finished)
+    locals_sum = sum(local() for _, local, _ in finished)
     torch.testing.assert_close(locals_sum, totals[0], rtol=0, atol=1e-4 * float(expected.abs().max()))
+    # Subtracting this rank's part in place is exactly subtracting local().
+    for r, (_, local, subtract) in enumerate(finished):
+        assert torch.equal(subtract(xs[r].clone()), xs[r] - local())
     assert 4 * sum(p.numel() for p in p_sum + q_sum) == codecs[0].payload_bytes(numel)
 
 

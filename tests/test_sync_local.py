@@ -245,7 +245,11 @@ def test_a_non_finite_step_leaves_codec_state_unchanged_but_random_streams_in_st
     before = codec.state_dict()
     poisoned = gs[WARMUP + 2].clone()
     poisoned[17] = bad
-    assert bool(torch.isnan(sync(state, poisoned)).all())
+    out = sync(state, poisoned)
+    if compress.lookup(name).preserves_nonfinite:  # carried through as it is, as by PyTorch's casts
+        assert not bool(torch.isfinite(out[17])) and bool(torch.isfinite(out[:17]).all())
+    else:  # the whole step is NaN on every rank
+        assert bool(torch.isnan(out).all())
     after = codec.state_dict()
     assert same_state(
         {k: v for k, v in after.items() if k != "generator"},

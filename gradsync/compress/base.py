@@ -35,6 +35,8 @@ class Compressor:
       sparse_rows  the payload is (encoded indices, values) as made by compress.sparse's
                  sparse_payload: entries of the tensor, which gradsync.sparse can exchange as
                  rows of width 1 by any of its schemes (top-k, DGC, threshold).
+      preserves_nonfinite  a NaN or inf in the input is one in the payload too, in its place, and
+                 the codec keeps no state: a non-finite step needs no check of its own (casts).
       majority_vote  the payload is one sign bit per element, and ranks combine by majority
                  vote, sign(sum of signs), instead of a sum (signSGD, Signum). The result is a
                  unit step per element, not an estimate of the gradient, so error feedback
@@ -53,6 +55,7 @@ class Compressor:
     owns_memory: ClassVar[bool] = False
     majority_vote: ClassVar[bool] = False
     sparse_rows: ClassVar[bool] = False
+    preserves_nonfinite: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")

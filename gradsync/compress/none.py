@@ -14,6 +14,7 @@ class NoCompression(Compressor):
     compression, and the reference every other codec is compared to."""
 
     summable = True
+    preserves_nonfinite = True
     unbiased = True
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:

@@ -37,6 +37,9 @@ class PowerSGD(SeededCompressor):
             raise ValueError(f"warm_start={warm_start!r} must be True or False")
         self.warm_start = warm_start
         self._q: torch.Tensor | None = None
+        # The padded matrix, reused from step to step (a fresh one costs page faults each time):
+        # the input's copy until the second round, then the products that decode it.
+        self._buffer: torch.Tensor | None = None
 
     # -- multi-round protocol, driven by gradsync.exchange -------------------------------------
 
@@ -51,13 +54,30 @@ class PowerSGD(SeededCompressor):
         q = m.t() @ p_hat
         return (q,), (p_hat, q, shape, dtype)
 
-    def finish(self, summed: Payload, ctx: Any) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-        """The decoded sum, and a function giving this rank's own decoded part (for feedback)."""
+    def finish(
+        self, summed: Payload, ctx: Any, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        """The decoded sum (written into `out` where given), a function giving this rank's own
+        decoded part, and one subtracting it from a tensor in place (error feedback's residual,
+        without a full-size temporary)."""
         p_hat, q_local, shape, dtype = ctx
         q_sum = summed[0]
         self._q = q_sum.clone()
-        total = _unmatrix(p_hat @ q_sum.t(), shape, dtype)
-        return total, lambda: _unmatrix(p_hat @ q_local.t(), shape, dtype)
+        numel = shape.numel()
+        product = self._product(p_hat, q_sum)
+        if out is not None:
+            total = out.view(-1).copy_(product[:numel]).view(out.shape)
+        else:
+            total = product[:numel].to(dtype, copy=True).reshape(shape)
+
+        def local() -> torch.Tensor:
+            return self._product(p_hat, q_local)[:numel].to(dtype, copy=True).reshape(shape)
+
+        def subtract(t: torch.Tensor) -> torch.Tensor:
+            t.view(-1).sub_(self._product(p_hat, q_local)[:numel])
+            return t
+
+        return total, local, subtract
 
     # -- world of one ----------------------------------------------------------------------------
 
@@ -92,10 +112,22 @@ class PowerSGD(SeededCompressor):
 
     def _matrix(self, x: torch.Tensor) -> torch.Tensor:
         rows, cols, _ = self._dims(x.numel())
-        flat = x.reshape(-1).float()
-        padded = torch.zeros(rows * cols, device=x.device)
-        padded[: flat.numel()] = flat
+        padded = self._padded(rows * cols, x.device)
+        padded[: x.numel()].copy_(x.reshape(-1))
+        padded[x.numel() :].zero_()
         return padded.view(rows, cols)
+
+    def _padded(self, numel: int, device: torch.device) -> torch.Tensor:
+        buffer = self._buffer
+        if buffer is None or buffer.numel() != numel or buffer.device != device:
+            buffer = self._buffer = torch.empty(numel, device=device)
+        return buffer
+
+    def _product(self, p_hat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """p_hat q^T, flat, in the reused buffer: valid until the next product or compression."""
+        rows, cols = p_hat.shape[0], q.shape[0]
+        out = self._padded(rows * cols, p_hat.device).view(rows, cols)
+        return torch.matmul(p_hat, q.t(), out=out).view(-1)
 
     def _start_q(self, m: torch.Tensor) -> torch.Tensor:
         _, cols = m.shape

@@ -34,7 +34,7 @@ class TopK(Sparsifier, SeededCompressor):
     needs_feedback = True
 
     def __init__(
-        self, ratio: float = 0.01, mode: str = "exact", sample_ratio: float = 0.01, seed: int = 0
+        self, ratio: float = 0.01, mode: str = "sampled", sample_ratio: float = 0.01, seed: int = 0
     ) -> None:
         super().__init__(seed)
         self.ratio = check_fraction("ratio", ratio)
