@@ -4,9 +4,10 @@
   configs, before any gradient is exchanged; the process group stays usable.
 - A rank with a NaN or Inf gradient: the averaged gradient is NaN on every rank (so AMP's
   GradScaler skips the step everywhere; a cast with nothing to protect carries the bad entries
-  through the sum instead, non-finite on every rank, as PyTorch's own fp16 hook does), no error memory absorbs it, codecs with state of their
-  own (DGC, Signum, random streams) advance exactly as if the gradient had been zero, and the
-  next finite step trains normally with the ranks still identical. Every registered codec, with
+  through the sum instead, non-finite on every rank, as PyTorch's own fp16 hook does), no error
+  memory absorbs it, codecs with state of their own (DGC, Signum, random streams) advance exactly
+  as if the gradient had been zero, and the next finite step trains normally with the ranks
+  still identical. Every registered codec, with
   the feedback "auto" picks, including those whose payload holds no float (natural, signsgd,
   signum): only the flag at the end of each frame can tell the other ranks.
 - register() on a module that is not DistributedDataParallel: TypeError.
