@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .bench.train import BenchOptions
+from .bench import report
+from .bench.train import BenchOptions, run, run_and_report
 
 # Plain DDP, and top-k 1% (sampled threshold) with error feedback: the configuration that saves
 # the most time on a 1 Gbit/s network at DDP's model quality.
@@ -28,8 +29,6 @@ def options(steps: int = STEPS) -> BenchOptions:
 def main(
     steps: int | None = None, use_testbed: bool = True, parser: argparse.ArgumentParser | None = None
 ) -> int:
-    from .cli import run_training_bench
-
     try:
         demo = options(STEPS if steps is None else steps)
     except ValueError as err:
@@ -41,4 +40,14 @@ def main(
         f"{' vs '.join(STRATEGIES)} with the same seeds and data order",
         file=sys.stderr,
     )
-    return run_training_bench(demo, use_testbed, "1gbit", "0.2ms", probe=True, out=OUT)
+    return run_and_report(
+        lambda network: run(demo, network),
+        demo.world_size,
+        use_testbed,
+        "1gbit",
+        "0.2ms",
+        True,
+        report.table,
+        report.write,
+        OUT,
+    )

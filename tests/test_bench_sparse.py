@@ -397,14 +397,15 @@ def test_bench_sparse_refuses_bad_arguments_with_exit_code_2(argv, words, capsys
 
 
 def test_a_failed_run_ends_with_its_message_and_exit_code_1(monkeypatch, capsys):
-    from gradsync import cli
+    from gradsync.bench import train
 
     def fail(options, network, say=None):
         raise train.BenchError("input 'zipf': rank(s) [1] exited with code(s) [1]\nSumMismatch: boom")
 
     monkeypatch.setattr(sb, "run", fail)
     options = sb.SparseBenchOptions(hosts=2, inputs=("zipf",))
-    assert cli.run_sparse_bench(options, False, "1gbit", "0.2ms", probe=False, out="unused") == 1
+    start = lambda network: sb.run(options, network)  # noqa: E731
+    assert train.run_and_report(start, 2, False, "1gbit", "0.2ms", False, sb.table, sb.write, "unused") == 1
     err = capsys.readouterr().err
     assert "gradsync: error: input 'zipf': rank(s) [1]" in err and "boom" in err
 

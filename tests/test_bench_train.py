@@ -262,14 +262,17 @@ def test_bench_train_refuses_bad_arguments_before_starting_anything(argv, words,
 
 
 def test_a_failed_run_ends_with_its_message_and_exit_code_1(monkeypatch, capsys):
-    from gradsync import cli
+    from gradsync.bench import report
 
     def fail(options, network, progress=True):
         raise train.BenchError("strategy 'ddp': rank(s) [1] exited with code(s) [3]\nboom")
 
     monkeypatch.setattr(train, "run", fail)
     options = train.BenchOptions(workload="mlp-wide", strategies=("ddp",), steps=20)
-    code = cli.run_training_bench(options, False, "1gbit", "0.2ms", probe=False, out="unused")
+    start = lambda network: train.run(options, network)  # noqa: E731
+    code = train.run_and_report(
+        start, 2, False, "1gbit", "0.2ms", False, report.table, report.write, "unused"
+    )
     assert code == 1
     err = capsys.readouterr().err
     assert "gradsync: error: strategy 'ddp'" in err and "boom" in err

@@ -62,7 +62,7 @@ def test_a_measured_plan_reports_its_predicted_and_measured_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "plan.json"
-    argv = ["plan", "--workload", "mlp-wide", "--world", "2", "--steps", "24", "--out", str(out)]
+    argv = ["plan", "--workload", "mlp-wide", "--world", "2", "--steps", "26", "--out", str(out)]
     assert cli.main(argv) == 0
     plan = Plan.load(out)
     assert plan.world_size == 2 and plan.predicted_step_s and plan.measured_step_s

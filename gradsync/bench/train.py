@@ -397,3 +397,33 @@ def describe_probe(measured_bits_per_s: float, bed: Testbed) -> str:
         f"allreduce probe: {measured_bits_per_s / 1e9:.3f} Gbit/s bus bandwidth achieved "
         f"(configured {bed.bandwidth_bits_per_s / 1e9:g} Gbit/s per link)"
     )
+
+
+def run_and_report(
+    start: Callable[[Network], dict[str, Any]],
+    hosts: int,
+    use_testbed: bool,
+    bandwidth: str,
+    latency: str,
+    probe: bool,
+    table: Callable[[dict[str, Any]], str],
+    write: Callable[[dict[str, Any], str], Sequence[Path]],
+    out: str,
+) -> int:
+    """Run a benchmark, `start(network)`, on `hosts` testbed hosts when asked and possible (else on
+    loopback); print its `table` and `write` its files to `out`. 0, or 1 with the error printed."""
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    try:
+        with contextlib.ExitStack() as stack:
+            network = open_network(stack, use_testbed, hosts, bandwidth, latency, probe, say)
+            document = start(network)
+    except (ValueError, testbed.TestbedError, BenchError) as err:
+        say(f"gradsync: error: {err}")  # the testbed, if one was built for the run, is gone already
+        return 1
+    print(table(document))
+    for path in write(document, out):
+        say(f"wrote {path}")
+    return 0

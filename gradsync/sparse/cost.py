@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..comm import allreduce_sent_nbytes
+from ..cost import Link
 from ..wire import index_nbytes
 from .hashing import pull_index_nbytes
 
@@ -69,13 +70,14 @@ class Sparsity:
 
 
 @dataclass(frozen=True)
-class Network:
-    """alpha-beta: the latency of each collective's round and bytes per second of a rank's link.
+class Network(Link):
+    """A rank's link (gradsync.cost's alpha-beta Link), with the latency of each collective's
+    round where measured. By default a 1 Gbit/s link with 50 us per message.
 
-    By default a round costs alpha per message on its critical path (`round_steps`). Measured
-    rounds (`round_s`: seconds of one near-empty round of each collective, at this group's size)
-    replace that where known: real collectives differ from the model (on the emulated testbed a
-    tiny all_to_all costs as much as 30 allreduce steps).
+    A round costs alpha per message on its critical path (`round_steps`). Measured rounds
+    (`round_s`: seconds of one near-empty round of each collective, at this group's size) replace
+    that where known: real collectives differ from the model (on the emulated testbed a tiny
+    all_to_all costs as much as 30 allreduce steps).
     """
 
     alpha_s: float = 50e-6
