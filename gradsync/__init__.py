@@ -9,7 +9,8 @@ One line on a DDP model compresses its gradients with error feedback:
 from . import compress, feedback
 from .api import register
 from .config import SyncConfig
-from .ddp import SyncState, hook
+from .ddp import hook
+from .sync import SyncState
 
 __version__ = "0.1.0"
 

@@ -18,8 +18,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .comm import TorchComm
 from .config import AUTO_PLAN, SyncConfig
-from .ddp import SyncState, hook
+from .ddp import hook
 from .plan import Plan
+from .sync import SyncState
 from .tuner import AutoState, auto_hook
 
 log = logging.getLogger("gradsync")

@@ -25,6 +25,9 @@ must never take them in): a rank whose tensor is not finite compresses zeros ins
 state stays in step with the other ranks, and tells the others: an allreduced float payload
 carries a NaN (the sum is then NaN everywhere), other frames end in a flag. So does any non-finite
 value in a payload (an fp16 overflow). Every rank then sees `finite` False.
+
+(Over 400 lines: every collective of a step is here, in one module, so that what goes out in
+which order, which every rank must agree on, reads in one place. Frames are gradsync.wire's.)
 """
 
 from __future__ import annotations
@@ -41,7 +44,17 @@ from .compress import Compressor, Payload
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
 from .strategy import sums
-from .wire import decode_indices, field_bits, pack_fields, unpack_bits, unpack_fields
+from .wire import (
+    decode_indices,
+    field_bits,
+    framed,
+    from_bytes,
+    layout_nbytes,
+    pack_fields,
+    split_frame,
+    unpack_bits,
+    unpack_fields,
+)
 
 Local = Callable[[], torch.Tensor]
 RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
@@ -232,7 +245,7 @@ def _allreduce(
         body = summed[:-1] if flagged else summed
         if guard and ((flagged and summed[-1] != 0) or not _all_finite((body,))):
             return Exchanged("allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
-        summed_payload = _split(body, payload)
+        summed_payload = split_frame(body, payload)
         if out is None:
             total = codec.decompress(summed_payload, ctx)
         else:
@@ -292,21 +305,21 @@ def _allgather(
     clock = _Clock()
     payload, ctx = codec.compress(x)
     clock.lap("compress")
-    frame = _framed([t.reshape(-1).view(torch.uint8) for t in payload], finite)
+    frame = framed([t.reshape(-1).view(torch.uint8) for t in payload], finite)
     if type(codec).fixed_size:
         layouts = [[(t.dtype, t.shape) for t in payload]] * comm.world_size
     else:  # waits for every rank's sizes: runs on the lane's thread
         numels = allgather_sizes(comm, [t.numel() for t in payload], frame.device)
         layouts = [[(t.dtype, (n,)) for t, n in zip(payload, row, strict=True)] for row in numels]
-        longest = max(sum(_nbytes(layout)) for layout in layouts) + 1  # + the flag
+        longest = max(sum(layout_nbytes(layout)) for layout in layouts) + 1  # + the flag
         frame = torch.cat([frame, frame.new_zeros(longest - frame.numel())])
     sent = allgather_sent_nbytes(frame.numel(), comm.world_size)
     payload_nbytes = sum(t.nbytes for t in payload)
 
     def done(frames: list[torch.Tensor]) -> Exchanged:
         clock.lap("communicate")
-        payloads = [_from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
-        flags = [f[sum(_nbytes(layout))] for f, layout in zip(frames, layouts, strict=True)]
+        payloads = [from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
+        flags = [f[sum(layout_nbytes(layout))] for f, layout in zip(frames, layouts, strict=True)]
         if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in payloads)):
             return Exchanged("allgather", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
         total = torch.zeros_like(x) if out is None else out.zero_()
@@ -391,7 +404,7 @@ def _rounds(
                 "allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds
             )
             return completed(failed)
-        payload, ctx = codec.next_round(_split(summed, payload), ctx)  # type: ignore[attr-defined]
+        payload, ctx = codec.next_round(split_frame(summed, payload), ctx)  # type: ignore[attr-defined]
     clock.lap("compress")
     frame = torch.cat([t.reshape(-1) for t in payload])
     payload_nbytes += frame.nbytes
@@ -401,7 +414,7 @@ def _rounds(
         clock.lap("communicate")
         if not _all_finite((summed,)):
             return Exchanged("allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
-        total, local, subtract = codec.finish(_split(summed, payload), ctx, out)  # type: ignore[attr-defined]
+        total, local, subtract = codec.finish(split_frame(summed, payload), ctx, out)  # type: ignore[attr-defined]
         clock.lap("decompress")
         return Exchanged("allreduce", None, total, local, True, payload_nbytes, sent, clock.seconds, subtract)
 
@@ -427,12 +440,6 @@ def _not_finite() -> torch.Tensor:
     raise AssertionError("a non-finite step has no decoded payload; feedback must not be updated")
 
 
-def _framed(parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
-    """The parts concatenated (one dtype), then the flag: 0 if this rank's input was finite, else 1."""
-    flag = torch.full((1,), 0 if finite else 1, dtype=parts[0].dtype, device=parts[0].device)
-    return torch.cat([*parts, flag])
-
-
 def _all_finite(tensors: Payload) -> bool:
     # One reduction pass: the least and the greatest value are finite only where every value is
     # (a NaN makes both NaN), and unlike a sum they cannot overflow.
@@ -441,28 +448,6 @@ def _all_finite(tensors: Payload) -> bool:
         for t in tensors
         if t.is_floating_point()
     )
-
-
-def _split(frame: torch.Tensor, like: Payload) -> Payload:
-    """Cut a concatenated frame back into tensors shaped like `like`."""
-    parts = frame.split([t.numel() for t in like])
-    return tuple(part.view(t.shape) for part, t in zip(parts, like, strict=True))
-
-
-def _nbytes(layout: list) -> list[int]:
-    return [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in layout]
-
-
-def _from_bytes(frame: torch.Tensor, layout: list) -> Payload:
-    tensors = []
-    offset = 0
-    for (dtype, shape), nbytes in zip(layout, _nbytes(layout), strict=True):
-        chunk = frame[offset : offset + nbytes]
-        if offset % dtype.itemsize:
-            chunk = chunk.clone()  # a misaligned slice cannot be viewed as a wider type
-        tensors.append(chunk.view(dtype).view(shape))
-        offset += nbytes
-    return tuple(tensors)
 
 
 class _Clock:

@@ -46,12 +46,12 @@ from . import profile
 from .autoplan import CANDIDATES, Measured, candidates, codec_specs
 from .comm import Comm, allgather_object
 from .config import SyncConfig
-from .cost import fit_linear
-from .ddp import SyncState, hook
+from .ddp import hook
 from .plan import Plan, signature
 from .sim import cluster as clusters
 from .sim.compute import Compute, Gradient
 from .strategy import Strategy
+from .sync import SyncState
 
 log = logging.getLogger("gradsync")
 
@@ -159,24 +159,9 @@ def measure(
         gradients.append(Gradient(names[i], timer.params[i].numel(), last))
     compute = Compute(forward_s, backward_s, optimizer_s, tuple(gradients), name="auto")
 
-    specs = codec_specs(config)
-    compression, hook = {}, {}
-    for spec in specs:
-        fits = profile.measure_compression(spec, CODEC_SIZES, REPEATS, config.seed, device)
-        slowest = profile.slowest_rank(comm, fits["compress"] + fits["decompress"], device)
-        half = len(CODEC_SIZES)
-        compression[spec] = {
-            "compress": fit_linear(CODEC_SIZES, slowest[:half]),
-            "decompress": fit_linear(CODEC_SIZES, slowest[half:]),
-        }
-        path = profile.hook_config(spec)
-        sizes = sorted({max(n, path.min_compress_numel) for n in CODEC_SIZES})
-        timed = profile.measure_hook(path, sizes, REPEATS, config.seed, device)
-        slowest = profile.slowest_rank(comm, timed["before"] + timed["after"], device)
-        hook[spec] = {
-            "before": fit_linear(sizes, slowest[: len(sizes)]),
-            "after": fit_linear(sizes, slowest[len(sizes) :]),
-        }
+    compression, hook = profile.fit_codecs(
+        comm, codec_specs(config), CODEC_SIZES, REPEATS, config.seed, device
+    )
     collectives = ["allreduce", "allgather", "all_to_all", "allreduce:float16", "allreduce:bfloat16"]
     fits = profile.probe_collectives(comm, COLLECTIVE_NBYTES, REPEATS, device, collectives)
     (copy_bytes_per_s,) = profile.slowest_rank(comm, [-copy_bandwidth(device)], device)  # the slowest's

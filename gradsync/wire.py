@@ -197,6 +197,37 @@ def check_indices(indices: torch.Tensor, numel: int) -> None:
 # -- helpers -----------------------------------------------------------------------------------
 
 
+# -- frames: a payload's tensors as one 1-D tensor of one dtype, as collectives move them -----------
+
+
+def framed(parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
+    """The parts concatenated (one dtype), then the flag: 0 if this rank's input was finite, else 1."""
+    flag = torch.full((1,), 0 if finite else 1, dtype=parts[0].dtype, device=parts[0].device)
+    return torch.cat([*parts, flag])
+
+
+def split_frame(frame: torch.Tensor, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Cut a concatenated frame back into tensors shaped like `like`."""
+    parts = frame.split([t.numel() for t in like])
+    return tuple(part.view(t.shape) for part, t in zip(parts, like, strict=True))
+
+
+def layout_nbytes(layout: list) -> list[int]:
+    return [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in layout]
+
+
+def from_bytes(frame: torch.Tensor, layout: list) -> tuple[torch.Tensor, ...]:
+    tensors = []
+    offset = 0
+    for (dtype, shape), nbytes in zip(layout, layout_nbytes(layout), strict=True):
+        chunk = frame[offset : offset + nbytes]
+        if offset % dtype.itemsize:
+            chunk = chunk.clone()  # a misaligned slice cannot be viewed as a wider type
+        tensors.append(chunk.view(dtype).view(shape))
+        offset += nbytes
+    return tuple(tensors)
+
+
 def _check_wire_bytes(data: torch.Tensor, expected: int, what: str, holding: str) -> None:
     """Refuse anything but `expected` bytes in a 1-D uint8 tensor, naming `what` it should hold."""
     if data.dtype != torch.uint8 or data.dim() != 1:

@@ -19,8 +19,8 @@ import torch
 from gradsync import SyncConfig, SyncState, compress, exchange, feedback
 from gradsync.comm import LocalComm
 from gradsync.compress.sparse import at_least, sampled_topk
-from gradsync.ddp import _derive_seed
 from gradsync.exchange import Route
+from gradsync.sync import _derive_seed
 
 Case = tuple[str, dict[str, Any]]
 

@@ -21,11 +21,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codecs", ("compress.",)),
     (
         "runtime",
-        ("comm", "sparse.", "strategy", "feedback", "config", "trace", "regroup", "exchange", "ddp"),
+        (
+            *("comm", "sparse.", "strategy", "feedback", "config", "trace", "regroup", "exchange"),
+            *("checkpoint", "sync", "ddp"),
+        ),
     ),
     ("plans", ("plan",)),
     ("planning", ("sim.", "planner", "schedule", "autoplan")),
-    ("measure", ("profile",)),
+    ("measure", ("profile", "profile.")),
     ("entry", ("tuner", "api", "")),  # "": the package itself, gradsync/__init__.py
     ("tools", ("cli", "cli.", "__main__", "bench.", "testbed", "testbed.", "workloads.", "demo")),
 ]

@@ -1,0 +1,582 @@
+"""SyncState: what gradsync keeps between steps, and one straight path per group of gradients.
+
+Each group (a DDP bucket, or a plan's group) goes through `_sync_group`, top to bottom: error
+memory added, compressed, exchanged (gradsync.exchange: every collective), decoded, residual kept,
+recorded. gradsync.ddp maps DDP's buckets to groups; SyncState.sync also works without DDP.
+
+Failures are never silent: a collective that fails (a peer died, or stalled past the process
+group's timeout) fails the group's future with a CollectiveError that names the group and the
+step; nothing of that step reaches the gradients.
+
+(Over 400 lines: the state and its one path belong together; checkpoint checks are in
+gradsync.checkpoint, the DDP glue in gradsync.ddp.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.futures import Future
+
+from . import checkpoint, compress, exchange, feedback
+from .comm import CollectiveError, Comm, Lane, allgather_object, allreduce_sent_nbytes, completed, then
+from .compress import Compressor, lookup
+from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec
+from .feedback import Feedback
+from .regroup import Regroup
+from .sparse.router import Router, Table
+from .sparse.rows import SparseRows
+from .strategy import Strategy, default_collective
+from .trace import GroupRecord, Trace
+
+log = logging.getLogger("gradsync")
+
+
+@dataclass
+class CompressionPoint:
+    """One group's compressor and error memory: everything compression keeps between steps."""
+
+    numel: int
+    codec: Compressor
+    feedback: Feedback
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"numel": self.numel, "codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
+
+
+class SyncState:
+    """What gradsync's hook keeps between steps. Returned by gradsync.register().
+
+    Example:
+        >>> state = gradsync.register(ddp_model, gradsync.SyncConfig(compressor="topk"))
+        >>> ...train...
+        >>> state.stats()["last_step"]["compression_ratio"]
+        >>> torch.save(state.state_dict(), f"gradsync-rank{rank}.pt")  # one file per rank
+    """
+
+    def __init__(self, config: SyncConfig, comm: Comm, model: nn.Module | None = None) -> None:
+        # -- hyperparameters
+        self.config = config
+        # -- the ranks to average over and the order collectives go out in (not pickled)
+        self.comm: Comm | None = comm
+        self.rank, self.world_size = comm.rank, comm.world_size  # kept when unpickled, for state_dict
+        self.lane = Lane()
+        # -- the model: positions, shapes and which parameters are embedding tables (rows)
+        params = list(model.parameters()) if model is not None else []
+        self._param_index: dict[int, int] | None = {id(p): i for i, p in enumerate(params)} if model else None
+        self._param_shapes = [p.shape for p in params]
+        self._embeddings = _embedding_params(model) if model is not None else set()
+        self._shapes_digest = checkpoint.digest(self._param_shapes) if model is not None else None
+        # -- the plan executed from the first compressed step on; None: config.compressor per bucket
+        self.plan: PlanLike | None = None
+        self._strategies: list[Strategy] = []
+        # -- internal state
+        self.step = 0  # training steps whose last bucket reached the hook
+        self.points: dict[int, CompressionPoint] = {}  # by group (DDP bucket or plan group)
+        # Each group's parameters (positions in model.parameters()) in buffer order, as of the
+        # compressed steps: a restored state needs them where DDP lays out buckets otherwise.
+        self.layout: dict[int, tuple[int, ...]] = {}
+        self.sparse = Router(config.sparse_scheme, config.sparse_every, config.seed)
+        self._layout_checked: set[int] = set()  # buckets seen laid out as in `layout`
+        self._regroup: Regroup | None = None  # this step's regrouping, while DDP's layout differs
+        self._ddp_layout: dict[int, tuple[int, ...]] = {}  # with a plan: DDP's buckets as last seen
+        self._direct: dict[tuple[int, ...], int] = {}  # plan groups laid out as a bucket: synced in place
+        self._local_steps = 0  # steps this process's hook has seen: DDP rebuilds buckets after one
+        self._ranks_agree = False  # set once every rank's config was compared
+        # Per parameter, what to add to its next gradient (the average's share) before it is
+        # exchanged: error memories of a plan given up (plan="auto" hands over between plans).
+        self._carry: dict[int, torch.Tensor] = {}
+        # -- statistics
+        self.trace = Trace()
+        self._executed: dict[int, dict[str, Any]] = {}  # group -> its newest exchange, for stats()
+        if config.planned:
+            self.use_plan(config.plan)  # type: ignore[arg-type]
+
+    # -- the public surface -----------------------------------------------------------------------
+
+    def use_plan(self, plan: PlanLike, carry: bool = False) -> None:
+        """Execute `plan` (a gradsync.plan.Plan, checked against the model) from the next compressed
+        step on: its groups become the compression points and the layout. Every rank must adopt
+        the same plan at the same step.
+
+        The earlier points are dropped; with `carry`, what their residual memories (error_feedback
+        "ef") hold is first carried, per parameter, into the next step's gradients, so that nothing
+        compression held back is lost. Other memory forms (EF21's and EControl's mirrors, DGC's
+        accumulators) cannot be split that way and start afresh."""
+        if carry:
+            self._carry_memories()
+        self.plan = plan
+        self._strategies = list(plan.strategies)
+        self.layout = {index: tuple(group.params) for index, group in enumerate(plan.groups)}
+        self.points = {}
+        self._executed = {}
+
+    def close(self) -> None:
+        """Remove what gradsync added to the model besides its hook (plan="auto"'s timers)."""
+
+    def sync(
+        self,
+        buffer: torch.Tensor,
+        group: int,
+        is_last: bool,
+        compress: bool = True,
+        params: Sequence[int] | None = None,
+    ) -> Future[torch.Tensor]:
+        """Average `buffer` (one group's flat gradients) over the ranks: the hook's whole job,
+        usable without DDP too.
+
+        The future holds a tensor shaped like `buffer`: `buffer` itself where the average can be
+        written there, else a fresh one. `buffer` is divided by the world size in place and must
+        stay untouched until the future completes. `compress` False: exchanged uncompressed (a
+        warm-up step, DDP's first buckets). `is_last`: the step's last group; the step is counted.
+        `params`: the group's parameters (positions in model.parameters()) in buffer order, where
+        known: an embedding table among them may go as rows.
+        """
+        self._comm()
+        step = self._begin(is_last, buffer.device)
+        where = f"{'group' if self.plan is not None and compress else 'bucket'} {group} at step {step}"
+        with self._failures_named(where):
+            future = self._sync_group(buffer, group, step, compress, params)
+            if is_last:  # nothing of gradsync's is still being issued when DDP or the user issue theirs
+                self.lane.drain()
+        return self._named(future, where)
+
+    def sync_rows(self, grad: torch.Tensor, key: str, is_last: bool) -> Future[torch.Tensor]:
+        """Average a sparse COO gradient (nn.Embedding(sparse=True)) over the ranks through
+        gradsync.sparse; the future holds the coalesced sparse average. Never compressed."""
+        comm = self._comm()
+        step = self._begin(is_last, grad.device)
+        where = f"sparse gradient {key} at step {step}"
+        clock = time.perf_counter()
+        rows = SparseRows.from_coo(grad)
+        rows = rows.like(rows.indices, rows.values / comm.world_size)
+
+        def program() -> Future[torch.Tensor]:
+            result = self.sparse.sync(key, rows, comm, step)
+            payload = rows.nnz * (4 + rows.width * rows.values.element_size())
+            self.trace.record(
+                GroupRecord(step, -1, grad.numel(), NO_COMPRESSION, "allreduce", result.scheme, payload,
+                            result.sent_nbytes, allreduce_sent_nbytes(4 * grad.numel(), comm.world_size),
+                            0.0, time.perf_counter() - clock, 0.0)
+            )  # fmt: skip
+            return completed(result.total.rows().to_coo(grad.shape))
+
+        with self._failures_named(where):
+            future = self.lane.run(program, blocking=True)
+            if is_last:
+                self.lane.drain()
+        return self._named(future, where)
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes and seconds per step and in total (see Trace.stats), under "sparse" each
+        sparse-synced tensor's scheme, density, overlap, densification and imbalance (see
+        gradsync.sparse.router.Router.stats), and under "groups", per group in index order, what
+        its newest exchange ran (None before its first): {"group", "step", "strategy", "codec",
+        "collective", "scheme", "feedback", "numel", "tensors", "sent_nbytes", "payload_nbytes"}.
+        """
+        count = len(self.plan.groups) if self.plan is not None else max(self._executed, default=-1) + 1
+        return {
+            "step": self.step,
+            **self.trace.stats(),
+            "sparse": self.sparse.stats(),
+            "groups": [self._executed.get(index) for index in range(count)],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank's resumed run needs to continue the exact same trajectory.
+
+        It is this rank's own: error memories differ from rank to rank. Save one file per rank, or
+        gather every rank's into one with full_state_dict().
+        """
+        return {
+            "format": checkpoint.FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "step": self.step,
+            "config": self.config.to_dict(),
+            "model": self._shapes_digest,  # the parameters' shapes, hashed: None without a model
+            "points": {index: point.state_dict() for index, point in self.points.items()},
+            "layout": {index: list(params) for index, params in self.layout.items()},
+            "sparse": self.sparse.state_dict(),
+        }
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Every rank's state_dict() in one, for a checkpoint that one rank saves: a collective,
+        call it on every rank. load_state_dict() takes each rank's own part of it."""
+        return {
+            "format": checkpoint.FORMAT,
+            "ranks": allgather_object(self._comm(), self.state_dict(), _device(self)),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what state_dict() (or full_state_dict()) saved. A collective: call it on every
+        rank. Refused on every rank alike, with what to do, where any rank's state is not its own
+        (another rank's, another step than the other ranks', another config or world size), holds
+        a non-finite error memory, or is not a gradsync state at all."""
+        comm = self._comm()
+        mine, problems = checkpoint.own_part(state, comm.rank, comm.world_size)
+        if mine is not None:
+            problems += self._state_problems(mine)
+        reports = allgather_object(
+            comm, (problems, mine["step"] if mine and not problems else None), _device(self)
+        )
+        refused = {rank: found for rank, (found, _) in enumerate(reports) if found}
+        steps = {rank: step for rank, (_, step) in enumerate(reports)}
+        if not refused and len(set(steps.values())) > 1:
+            refused = {-1: [f"the ranks' states are of different steps {steps}: load one checkpoint's files"]}
+        if refused:
+            lines = "\n".join(
+                f"  {'all ranks' if rank < 0 else f'rank {rank}'}: {'; '.join(found)}"
+                for rank, found in refused.items()
+            )
+            raise ValueError(f"gradsync: load_state_dict refused, nothing was loaded:\n{lines}")
+        assert mine is not None
+        self._restore(mine)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The process group and the model cannot be pickled; everything else can.
+        return {**self.__dict__, "comm": None, "_param_index": None}
+
+    # -- one group's path -----------------------------------------------------------------------
+
+    def _sync_group(
+        self, x: torch.Tensor, group: int, step: int, compress: bool, params: Sequence[int] | None
+    ) -> Future[torch.Tensor]:
+        """Average one group: the straight walk, everything it keeps and everything it records."""
+        comm = self._comm()
+        strategy = self._strategy(group, x.numel(), step, compress)
+        route = exchange.Route(
+            comm, self.lane, self.sparse, _key(self.plan is not None and compress, group), step
+        )
+        started = time.perf_counter()
+        if not strategy.compressed:
+            x.div_(comm.world_size)
+            self._add_carried(x, params)
+            tables = self._tables(params, x.numel(), strategy)
+            future = exchange.uncompressed(x, route, tables, strategy.scheme)
+            shown = self.plan is None or compress  # a plan's warm-up runs DDP's buckets, not its groups
+            return then(
+                future, lambda result: self._record(result, x, group, step, strategy, None, started, shown)
+            )
+        point = self._point(group, x)
+        # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
+        # payload carries NaN and inf by itself: no check, no flag (as PyTorch's fp16 hook).
+        guard = not (
+            type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
+        )
+        finite = not guard or _is_finite(x)
+        # p: what is compressed, from this rank's share x / n (the division first: low-precision
+        # sums cannot overflow); error memory added. A non-finite gradient never enters a memory.
+        p = point.feedback.prepare(x, comm.world_size) if finite else x
+        self._add_carried(p, params)
+        # The sum is decoded into `x`, as PyTorch's own hooks return the bucket they were given (a
+        # fresh full-size tensor costs as much in page faults as a copy), wherever nothing reads `x`
+        # afterwards: what was compressed is another tensor, or its decode is not needed again.
+        uses_local = type(point.feedback).uses_local
+        into_x = (p is not x or not uses_local) and not type(point.feedback).reads_gradient
+        future = exchange.start(
+            point.codec,
+            p,
+            route,
+            strategy.collective,
+            strategy.scheme,
+            finite,
+            out=x if into_x else None,
+            keep_local=uses_local,
+            guard=guard,
+        )
+
+        def finish(result: exchange.Exchanged) -> torch.Tensor:
+            if not result.finite:
+                point.codec.undo()  # a skipped step leaves no trace in codec state either
+                out = x.fill_(math.nan)  # the average is NaN on every rank: AMP's GradScaler skips it
+            else:
+                out = point.feedback.update(x, p, result.local, result.total, result.remove_local_)
+            return self._record(result, out, group, step, strategy, point, started)
+
+        return then(future, finish)
+
+    def _strategy(self, group: int, numel: int, step: int, compress: bool) -> Strategy:
+        """What runs for `group` this step: uncompressed in warm-up, else the plan's strategy or
+        the config's compressor (uncompressed below min_compress_numel)."""
+        if not compress or step < self.config.warmup_steps:
+            return self._uncompressed
+        if self.plan is not None:
+            return self._strategies[group]
+        if self.config.compressor == NO_COMPRESSION or numel < self.config.min_compress_numel:
+            return self._uncompressed
+        return self._compressor
+
+    @property
+    def _uncompressed(self) -> Strategy:
+        scheme = self.config.sparse_scheme
+        return Strategy(scheme=None if scheme == "dense" else scheme)
+
+    @property
+    def _compressor(self) -> Strategy:
+        """config.compressor as a strategy: its default collective; a sparsifier's payload by the
+        sparse scheme where one is forced (sparse_scheme "auto" allgathers it: one collective,
+        overlapped, decoded in rank order)."""
+        name, scheme = self.config.compressor, self.config.sparse_scheme
+        rows = lookup(name).sparse_rows and scheme != "auto"
+        args = tuple(sorted(self.config.compressor_args.items()))
+        return Strategy(name, args, default_collective(name), scheme if rows else None)
+
+    def _tables(self, params: Sequence[int] | None, numel: int, strategy: Strategy) -> list[Table]:
+        """The embedding tables in an uncompressed group, where its strategy sends rows."""
+        if strategy.scheme is None or params is None or not self._embeddings.intersection(params):
+            return []
+        tables, offset = [], 0
+        for param in params:
+            shape = self._param_shapes[param]
+            if param in self._embeddings:
+                tables.append(Table(f"param {param}", offset, shape[0], shape.numel() // max(shape[0], 1)))
+            offset += shape.numel()
+        return tables if offset == numel else []
+
+    def _carry_memories(self) -> None:
+        for group, point in self.points.items():
+            memory = (
+                getattr(point.feedback, "error", None)
+                if type(point.feedback) is feedback.ErrorFeedback
+                else None
+            )
+            if memory is None:
+                continue
+            params = self.layout[group]
+            sizes = [self._param_shapes[p].numel() for p in params]
+            for param, part in zip(params, memory.split(sizes), strict=True):
+                held = self._carry.get(param)
+                self._carry[param] = part.clone() if held is None else held.add_(part)
+
+    def _add_carried(self, x: torch.Tensor, params: Sequence[int] | None) -> None:
+        """x += what is carried for its parameters (in buffer order), which is then used up."""
+        if not self._carry or params is None:
+            return
+        flat, offset = x.view(-1), 0
+        for param in params:
+            numel = self._param_shapes[param].numel()
+            held = self._carry.pop(param, None)
+            if held is not None:
+                flat[offset : offset + numel].add_(held.view(-1).to(x.dtype))
+            offset += numel
+
+    def _record(
+        self,
+        result: exchange.Exchanged,
+        out: torch.Tensor,
+        group: int,
+        step: int,
+        strategy: Strategy,
+        point: CompressionPoint | None,
+        started: float,
+        shown: bool = True,
+    ) -> torch.Tensor:
+        """Trace one group's exchange and, where `shown`, keep it for stats()["groups"]; returns
+        `out`."""
+        numel, n = out.numel(), self._comm().world_size
+        codec = NO_COMPRESSION if point is None else _registry_name(compress.REGISTRY, point.codec)
+        seconds = result.seconds
+        communicate_s = seconds.get("communicate", time.perf_counter() - started)
+        self.trace.record(
+            GroupRecord(step, group, numel, codec, result.collective, result.scheme, result.payload_nbytes,
+                        result.sent_nbytes, allreduce_sent_nbytes(4 * numel, n), seconds.get("compress", 0.0),
+                        communicate_s, seconds.get("decompress", 0.0))
+        )  # fmt: skip
+        if not shown:
+            return out
+        self._executed[group] = {
+            "group": group,
+            "step": step,
+            "strategy": strategy.text,
+            "codec": codec,
+            "collective": result.collective,
+            "scheme": result.scheme,
+            "feedback": "none" if point is None else _registry_name(feedback.REGISTRY, point.feedback),
+            "numel": numel,
+            "tensors": len(self.layout.get(group, ())) or None,
+            "sent_nbytes": result.sent_nbytes,
+            "payload_nbytes": result.payload_nbytes,
+        }
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _comm(self) -> Comm:
+        if self.comm is None:
+            raise RuntimeError(
+                "this SyncState was unpickled and has no process group; call "
+                "gradsync.register(ddp_model, config) and load_state_dict(old_state.state_dict())"
+            )
+        return self.comm
+
+    def _begin(self, is_last: bool, device: torch.device) -> int:
+        """The step this group belongs to; counts the step once its last group arrives."""
+        if not self._ranks_agree:
+            self._check_ranks_agree(device)
+        step = self.step
+        if is_last:
+            self.step += 1
+        return step
+
+    @contextlib.contextmanager
+    def _failures_named(self, where: str) -> Iterator[None]:
+        """A CollectiveError raised inside, with `where` (which bucket or group, which step) and
+        what to do added."""
+        try:
+            yield
+        except CollectiveError as error:
+            raise self._failure(error, where) from None
+
+    def _named(self, future: Future[torch.Tensor], where: str) -> Future[torch.Tensor]:
+        """`future`, with `where` and what to do added to a CollectiveError it fails with.
+
+        Chained by Future.then, unlike the steps inside: DDP shows an error that reaches it so
+        as "... CollectiveError: <message>", but one set on a future directly as "Unable to cast
+        <message> to Tensor".
+        """
+
+        def check(source: Future[torch.Tensor]) -> torch.Tensor:
+            try:
+                return source.value()
+            except CollectiveError as error:
+                raise self._failure(error, where) from None
+
+        return future.then(check)
+
+    def _failure(self, error: CollectiveError, where: str) -> CollectiveError:
+        if str(error).startswith("gradsync: "):
+            return error  # named already (an inner exchange of this step)
+        timeout = getattr(self.comm, "timeout", None)
+        waited = f", here {timeout}" if timeout is not None else ""
+        return CollectiveError(
+            f"gradsync: {where}: {error}\nA peer rank died, or stalled past the process group's timeout "
+            f"(init_process_group(timeout=...){waited}). This step's gradients were not averaged and must "
+            "not be applied: stop every rank and resume from the last checkpoint (torchrun "
+            "--max-restarts restarts them)."
+        )
+
+    def _point(self, group: int, x: torch.Tensor) -> CompressionPoint:
+        point = self.points.get(group)
+        if point is None:
+            point = self.points[group] = self._new_point(group, x.numel())
+        elif point.numel != x.numel():
+            raise ValueError(
+                f"gradsync group {group} has {x.numel()} elements but its state was made for "
+                f"{point.numel}: the layout changed (another model, bucket_cap_mb or a checkpoint from "
+                "another run); register gradsync afresh for this layout"
+            )
+        return point
+
+    def _new_point(self, group: int, numel: int) -> CompressionPoint:
+        """A fresh point: config.compressor for a bucket, the strategy's codec for a plan group."""
+        if self.plan is None:
+            name, args = self.config.compressor, dict(self.config.compressor_args)
+        else:
+            strategy = self._strategies[group]
+            name, args = strategy.codec, dict(strategy.args)
+        rank = self._comm().rank if lookup(name).randomness == "local" else 0
+        seed = _derive_seed(self.config.seed, group, rank)
+        return CompressionPoint(numel, build_codec(name, args, seed), self.config.build_feedback(name))
+
+    def _check_ranks_agree(self, device: torch.device) -> None:
+        """Fail on every rank, with the same message, when ranks were configured differently.
+
+        Runs on the first call, before any gradient is exchanged, so that differing settings
+        (warm-up length, compressor) can never make ranks issue different collectives and hang.
+        """
+        fingerprints = allgather_object(self._comm(), self.config.fingerprint(), device)
+        self._ranks_agree = True
+        if len(set(fingerprints)) > 1:
+            raise ValueError(
+                "gradsync: the ranks were given different SyncConfigs, so their gradients cannot be "
+                f"exchanged:\n{_describe_differences(fingerprints)}\nPass the same SyncConfig on every rank."
+            )
+
+    def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
+        """What is wrong with this rank's own part of a checkpoint, each with what to do."""
+        comm = self._comm()
+        return checkpoint.problems(
+            state, comm.rank, comm.world_size, self.config.to_dict(), self._shapes_digest
+        )
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        self.step = state["step"]
+        self.points = {}
+        for index, saved in state["points"].items():
+            point = self._new_point(int(index), saved["numel"])
+            point.codec.load_state_dict(saved["codec"])
+            point.feedback.load_state_dict(saved["feedback"])
+            self.points[int(index)] = point
+        self.layout = {int(index): tuple(params) for index, params in state["layout"].items()}
+        self.sparse.load_state_dict(state["sparse"])
+        self._layout_checked = set()
+        self._regroup = None
+
+
+def _key(planned: bool, group: int) -> str:
+    """The sparse router's name for a group's payload: its scheme choices follow it."""
+    return f"group {group}" if planned else f"bucket {group}"
+
+
+def _embedding_params(model: nn.Module) -> set[int]:
+    """Positions in model.parameters() of embedding tables with dense gradients: the tensors whose
+    rows a step may leave untouched, which the sparse schemes can send as rows."""
+    tables = {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and not module.sparse
+    }
+    return {index for index, p in enumerate(model.parameters()) if id(p) in tables}
+
+
+def _device(state: SyncState) -> torch.device:
+    """Where this state's small collectives (checks, checkpoints) run: the model's device."""
+    comm = state._comm()
+    group = getattr(comm, "group", None)
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _registry_name(table: dict[str, type], obj: object) -> str:
+    """The name `obj`'s class is registered under in `table`."""
+    return next(name for name, cls in table.items() if type(obj) is cls)
+
+
+def _describe_differences(fingerprints: Sequence[str]) -> str:
+    """Ranks grouped by config; each group names the fields where it differs from the most common."""
+    groups: dict[str, list[int]] = {}
+    for rank, fingerprint in enumerate(fingerprints):
+        groups.setdefault(fingerprint, []).append(rank)
+    common = max(groups, key=lambda f: len(groups[f]))  # first seen wins a tie
+    reference = json.loads(common)
+    lines = []
+    for fingerprint, ranks in groups.items():
+        config = json.loads(fingerprint)
+        differing = ", ".join(f"{k}={v!r}" for k, v in config.items() if reference.get(k) != v)
+        lines.append(f"  ranks {ranks}: {differing or 'the most common config'}   (full: {fingerprint})")
+    return "\n".join(lines)
+
+
+def _is_finite(t: torch.Tensor) -> bool:
+    # One reduction pass instead of an isfinite() mask; a sum that overflows is checked exactly.
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _derive_seed(root: int, group: int, rank: int) -> int:
+    """Independent-looking seeds per (root, group, rank), the same on every run."""
+    mixed = (root * 1_000_003 + group) * 1_000_003 + rank
+    return (mixed * 0x9E3779B97F4A7C15) % (2**63 - 1)
