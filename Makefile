@@ -6,13 +6,23 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo bench-kernels bench-train bench-train-embed-lm bench-sparse bench-sim bench-fidelity bench-plan \
+.PHONY: demo bench-runtime tables bench-kernels bench-train bench-train-embed-lm bench-sparse bench-sim bench-fidelity bench-plan \
 	bench-plan-train test test-all lint clean
 
 # gpt-tiny on 4 ranks: plain DDP vs gradsync top-k on the emulated 1 Gbit/s testbed (as root with
 # iproute2; loopback with a warning otherwise). Prints the table; plots go to runs/demo/.
 demo: $(STAMP)
 	$(BIN)/python -m gradsync demo
+
+# The runtime benchmark behind README's table: a user's own DDP script (examples/train.py) run once
+# per way of averaging gradients, 3 rounds in turn, on 4 testbed hosts at 1 Gbit/s and on loopback.
+bench-runtime: $(STAMP)
+	$(BIN)/python -m gradsync bench script --testbed --bandwidth 1gbit --repeats 3 --out docs/bench-runtime/1gbit
+	$(BIN)/python -m gradsync bench script --loopback --repeats 3 --out docs/bench-runtime/loopback
+
+# Rewrite every measured table in README.md and docs/ from the results file it comes from.
+tables: $(STAMP)
+	$(BIN)/python -m gradsync bench tables
 
 # The training benchmark behind README's target table: mlp-wide (20.8M parameters) on 4 testbed
 # hosts at 1 Gbit/s, DDP vs torch's fp16 and PowerSGD hooks vs gradsync top-k 1% + ef.

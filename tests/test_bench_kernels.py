@@ -34,12 +34,12 @@ def two_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def test_results_cover_every_registered_compressor_plus_sampled_topk(results):
+def test_results_cover_every_registered_compressor_plus_torch_topk(results):
     assert [r.label for r in results] == kernels.variant_labels()
-    assert {r.label for r in results} == {*compress.names(), "topk-sampled"}
+    assert {r.label for r in results} == {*compress.names(), "topk-torch"}
     assert {r.compressor for r in results} == set(compress.names())
-    sampled = next(r for r in results if r.label == "topk-sampled")
-    assert (sampled.compressor, sampled.args) == ("topk", {"mode": "sampled"})
+    reference = next(r for r in results if r.label == "topk-torch")
+    assert (reference.compressor, reference.args) == ("topk", {"mode": "exact"})
 
 
 def test_bits_per_element_match_each_codecs_payload_bytes(results):
@@ -69,8 +69,8 @@ def test_targets_are_set_exactly_for_labels_with_one_and_judged_by_the_ratio(res
         else:
             assert r.meets_target == (r.ratio <= r.target), r.label
     by_label = {r.label: r for r in results}
-    assert all(by_label[label].target is None for label in ("none", "topk", "powersgd"))
-    assert (by_label["fp16"].target, by_label["topk-sampled"].target, by_label["qsgd"].target) == (2, 4, 6)
+    assert all(by_label[label].target is None for label in ("none", "topk-torch", "powersgd"))
+    assert (by_label["fp16"].target, by_label["topk"].target, by_label["qsgd"].target) == (2, 4, 6)
 
 
 def test_runs_on_the_requested_threads_and_restores_the_previous_count(two_threads):
@@ -99,8 +99,8 @@ def test_thread_count_is_restored_when_the_run_fails(two_threads):
 
 
 def test_labels_select_variants_in_benchmark_order():
-    results = kernels.run(numel=NUMEL, repeats=1, labels=["topk-sampled", "none"])
-    assert [r.label for r in results] == ["none", "topk-sampled"]
+    results = kernels.run(numel=NUMEL, repeats=1, labels=["topk", "none"])
+    assert [r.label for r in results] == ["none", "topk"]
 
 
 def test_unknown_label_names_it_and_lists_the_valid_ones():
@@ -131,16 +131,20 @@ def test_table_lists_each_label_and_the_missed_targets(results):
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     path = tmp_path / "nested" / "kernels.json"
-    argv = ["bench", "kernels", "--numel", str(NUMEL), "--repeats", "1", "--only", "fp16,topk-sampled"]
+    argv = ["bench", "kernels", "--numel", str(NUMEL), "--repeats", "1", "--only", "fp16,topk"]
     assert cli.main([*argv, "--json", str(path)]) == 0
     out, err = capsys.readouterr()
-    assert "| fp16 |" in out and "| topk-sampled |" in out
-    assert "[1/2] fp16 ..." in err and "[2/2] topk-sampled ..." in err
+    assert "| fp16 |" in out and "| topk |" in out
+    assert "[1/2] fp16 ..." in err and "[2/2] topk ..." in err
     data = json.loads(path.read_text())
     assert data["meta"]["numel"] == NUMEL and data["meta"]["threads"] == 1
-    assert data["meta"]["torch"] == torch.__version__
-    assert [r["label"] for r in data["results"]] == ["fp16", "topk-sampled"]
+    assert data["meta"]["machine"]["torch"] == torch.__version__
+    assert len(data["meta"]["commit"]) == 40 and isinstance(data["meta"]["dirty"], bool)
+    assert [r["label"] for r in data["results"]] == ["fp16", "topk"]
     assert data["results"][0]["bits_per_element"] == 16
+    # The published table is rendered from the JSON alone: the same rows as printed.
+    rendered = kernels.table(data)
+    assert all(line in out for line in rendered.splitlines()[2:-3])
 
 
 @pytest.mark.parametrize(

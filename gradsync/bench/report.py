@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ..profile import machine
 
 
 def table(document: dict[str, Any]) -> str:
@@ -48,6 +53,26 @@ def conditions(document: dict[str, Any]) -> str:
             else "No DDP run, so no time-to-target."
         )
     )
+
+
+def provenance() -> dict[str, Any]:
+    """What a published number needs beside it: the commit it was measured at (and whether the tree
+    had uncommitted changes), the machine, the command and the date."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    return {
+        "commit": git("rev-parse", "HEAD").strip() or "unknown",
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip()),
+        "machine": machine(),
+        "command": " ".join(["gradsync", *sys.argv[1:]]) if sys.argv else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def write(document: dict[str, Any], out_dir: str | Path) -> list[Path]:

@@ -223,6 +223,57 @@ def _bench_sparse(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     )
 
 
+def _add_bench_script(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..bench.script import SYNCS, ScriptOptions
+
+    defaults = ScriptOptions.__dataclass_fields__
+    script = benches.add_parser(
+        "script",
+        help="a user's own DDP script, once per way of averaging gradients (the runtime benchmark)",
+        description="Runs a training script as a user would (examples/train.py: plain DDP with one "
+        "line for a torch hook or for gradsync) once per --sync way, one process per rank, and "
+        "compares their step times. Writes results.json and results.md.",
+    )
+    script.add_argument(
+        "--script", default=defaults["script"].default, help="the script (default %(default)s)"
+    )
+    script.add_argument("--syncs", default=",".join(SYNCS), help="comma-separated ways (default all)")
+    script.add_argument("--world", type=int, default=defaults["world_size"].default, help="ranks (default 4)")
+    script.add_argument("--steps", type=int, default=defaults["steps"].default, help="steps per run (60)")
+    script.add_argument("--repeats", type=int, default=1, help="rounds of every way in turn (default 1)")
+    where = script.add_mutually_exclusive_group()
+    where.add_argument("--loopback", action="store_true", help="all ranks on loopback (the default)")
+    add_network_options(script, where)
+    script.add_argument("--out", default="runs/bench-script", help="output directory (default %(default)s)")
+    return script
+
+
+def _bench_script(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ..bench import script, train
+
+    try:
+        options = script.ScriptOptions(
+            script=args.script,
+            syncs=tuple(_comma_list(args.syncs)),
+            world_size=args.world,
+            steps=args.steps,
+            repeats=args.repeats,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    return train.run_and_report(
+        lambda network: script.run(options, network, _say),
+        options.world_size,
+        args.testbed,
+        args.bandwidth,
+        args.latency,
+        not args.no_probe,
+        script.table,
+        script.write,
+        args.out,
+    )
+
+
 def _add_bench_sim(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sim = benches.add_parser(
         "sim",
@@ -337,6 +388,31 @@ def key_value(item: str) -> tuple[str, Any]:
     return key, parse_value(value)
 
 
+def _add_bench_tables(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    tables = benches.add_parser(
+        "tables",
+        help="rewrite the measured tables in README.md and docs/ from their results files",
+        description="Every table between <!-- table RENDERER RESULTS.json --> and <!-- /table --> "
+        "markers is rendered anew from its results file; --check only lists those that differ.",
+    )
+    tables.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs")
+    return tables
+
+
+def _bench_tables(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ..bench import tables
+
+    if args.check:
+        stale = [line for page in tables.pages() for line in tables.stale(page)]
+        for line in stale:
+            _say(line)
+        return 1 if stale else 0
+    for page in tables.pages():
+        if tables.refresh(page):
+            _say(f"rewrote the tables of {page.relative_to(tables.ROOT)}")
+    return 0
+
+
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -349,4 +425,6 @@ BENCHES = {
     "sim": (_add_bench_sim, _bench_sim),
     "fidelity": (_add_bench_fidelity, _bench_fidelity),
     "plan": (_add_bench_plan, _bench_plan),
+    "script": (_add_bench_script, _bench_script),
+    "tables": (_add_bench_tables, _bench_tables),
 }

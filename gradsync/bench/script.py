@@ -1,0 +1,223 @@
+"""The runtime benchmark: a user's own DDP training script, run as it is, once per way of averaging
+gradients, on emulated hosts (`gradsync bench script`, `make bench-runtime`).
+
+The script (examples/train.py by default) is what a user writes: plain DDP, and one line for a
+PyTorch communication hook or for gradsync with the settings written first. Each way runs the same
+steps from the same seeds; `repeats` rounds run every way in turn (A B C, A B C), so that drift in
+the machine's load lands on all of them alike. The document holds every step's time; the table
+gives each way's median step after warm-up, its p90 and its speed-up against DDP and torch's fp16
+hook, and `targets` checks the runtime's goals against them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import tuner
+from ..config import SyncConfig
+from . import report
+from .train import Network, follow_ranks, launch_ranks, master_port, quantile
+
+SYNCS = (
+    "ddp",
+    "torch-fp16",
+    "torch-bf16",
+    "torch-powersgd",
+    "gradsync",
+    "gradsync-topk",
+    "gradsync-fp16",
+    "gradsync-bf16",
+    "gradsync-powersgd",
+    "gradsync-auto",
+)
+FIRST_STEPS = 60  # plan="auto" is judged on its median over the first 60 steps, planning included
+# Steps plan="auto" spends measuring and trying candidates with the config the script writes.
+AUTO_PLANNING_STEPS = tuner.warmup_steps(SyncConfig(plan="auto"))
+
+
+@dataclass(frozen=True)
+class ScriptOptions:
+    """What to run and how often."""
+
+    script: str = "examples/train.py"
+    syncs: tuple[str, ...] = SYNCS
+    world_size: int = 4
+    steps: int = FIRST_STEPS
+    # Steps counted from here: after gradsync's warm-up (10 steps) and torch PowerSGD's start
+    # (step 10), and a few more for the allocations of the first compressed steps.
+    steady_from: int = 15
+    repeats: int = 1
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if not Path(self.script).is_file():
+            raise ValueError(f"script {self.script!r} is not a file; give the path of a training script")
+        if self.world_size < 1 or self.repeats < 1:
+            raise ValueError(f"world_size={self.world_size} and repeats={self.repeats} must be >= 1")
+        if self.steps < self.steady_from + 5:
+            raise ValueError(
+                f"steps={self.steps} leaves fewer than 5 steps after steady_from={self.steady_from}; "
+                f"run at least {self.steady_from + 5}"
+            )
+        if len(set(self.syncs)) != len(self.syncs) or not self.syncs:
+            raise ValueError(f"syncs {list(self.syncs)}: name each way once, at least one")
+
+
+def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every way, `repeats` times in turn; the document of every step's time (see summarize)."""
+    raw: dict[str, list[list[float]]] = {sync: [] for sync in options.syncs}
+    params = None
+    with tempfile.TemporaryDirectory(prefix="gradsync-script-") as tmp:
+        for round_ in range(options.repeats):
+            for sync in options.syncs:
+                found = _run_one(options, network, sync, Path(tmp) / f"{sync}-{round_}")
+                raw[sync].append(found["step_s"])
+                params = found["params"]
+                steady = found["step_s"][options.steady_from :]
+                say(f"{sync} (round {round_ + 1}): median step {statistics.median(steady):.3f} s")
+    meta = {
+        **report.provenance(),
+        "options": asdict(options),
+        "network": network.to_dict(),
+        "params": params,
+    }
+    return summarize(raw, meta, options)
+
+
+def _run_one(options: ScriptOptions, network: Network, sync: str, stem: Path) -> dict[str, Any]:
+    out = stem.with_name(f"{stem.name}.json")
+    argv = [sys.executable, options.script, "--sync", sync, "--steps", str(options.steps), "--json", str(out)]
+    logs = [stem.with_name(f"{stem.name}-rank{rank}.log") for rank in range(options.world_size)]
+    with launch_ranks(network, argv, options.world_size, master_port(network), logs) as procs:
+        follow_ranks(procs, logs, options.timeout_s, None, f"--sync {sync}")
+    return json.loads(out.read_text())
+
+
+def summarize(
+    raw: dict[str, list[list[float]]], meta: dict[str, Any], options: ScriptOptions
+) -> dict[str, Any]:
+    """Per way: the median and p90 step after steady_from, over every round; the median of the
+    first FIRST_STEPS steps; and the p90 of plan="auto"'s planning steps. Pure."""
+    runs = []
+    for sync, rounds in raw.items():
+        steady = [s for steps in rounds for s in steps[options.steady_from :]]
+        first = [s for steps in rounds for s in steps[:FIRST_STEPS]]
+        planning = [s for steps in rounds for s in steps[1:AUTO_PLANNING_STEPS]]  # step 0: start-up
+        runs.append(
+            {
+                "sync": sync,
+                "step_s": rounds,
+                "median_s": statistics.median(steady),
+                "p90_s": quantile(steady, 0.9),
+                "first_median_s": statistics.median(first),
+                "planning_p90_s": quantile(planning, 0.9) if sync == "gradsync-auto" else None,
+            }
+        )
+    by_sync = {r["sync"]: r for r in runs}
+    for r in runs:
+        for base in ("ddp", "torch-fp16"):
+            r[f"vs_{base}"] = by_sync[base]["median_s"] / r["median_s"] if base in by_sync else None
+    meta = {**meta, "first_steps": FIRST_STEPS, "auto_planning_steps": AUTO_PLANNING_STEPS}
+    return {"meta": meta, "runs": runs}
+
+
+def targets(document: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(goal, what was measured, met) for each of the runtime's goals this document can judge: on
+    a slow network (at most 2 Gbit/s) the speed-ups, elsewhere the cost of gradsync where
+    compressing does not pay."""
+    runs = {r["sync"]: r for r in document["runs"]}
+    network = document["meta"]["network"]
+    rate = network.get("measured_bits_per_s") or network.get("configured_bits_per_s")  # None: loopback
+    slow = rate is not None and rate <= 2e9
+    found: list[tuple[str, str, bool]] = []
+
+    def ratio(goal: str, sync: str, base: str, at_least: float) -> None:
+        if sync in runs and base in runs:
+            value = runs[base]["median_s"] / runs[sync]["median_s"]
+            found.append((goal, f"{value:.2f}x", value >= at_least))
+
+    def at_most(goal: str, sync: str, base: str, limit: float, field: str = "median_s") -> None:
+        if sync in runs and base in runs and runs[sync][field] is not None:
+            value = runs[sync][field] / runs[base]["median_s"]
+            found.append((goal, f"{value:.2f}x", value <= limit))
+
+    if slow:
+        for sync in ("gradsync", "gradsync-topk"):
+            ratio(f"{sync}: >= 3x faster per step than DDP", sync, "ddp", 3.0)
+            ratio(f"{sync}: >= 1.5x faster than torch's fp16 hook", sync, "torch-fp16", 1.5)
+        at_most("gradsync-fp16: step <= torch's fp16 hook's", "gradsync-fp16", "torch-fp16", 1.0)
+        at_most("gradsync-bf16: step <= torch's bf16 hook's", "gradsync-bf16", "torch-bf16", 1.0)
+        at_most(
+            "gradsync-powersgd: step <= torch's PowerSGD hook's", "gradsync-powersgd", "torch-powersgd", 1.0
+        )
+        fixed = [r for s, r in runs.items() if s != "gradsync-auto"]
+        if "gradsync-auto" in runs and fixed:
+            best = min(fixed, key=lambda r: r["median_s"])
+            value = runs["gradsync-auto"]["first_median_s"] / best["median_s"]
+            found.append(
+                (
+                    f"gradsync-auto: median of its first {FIRST_STEPS} steps within 5% of the best fixed "
+                    f"way's step ({best['sync']})",
+                    f"{value:.2f}x",
+                    value <= 1.05,
+                )
+            )
+    else:
+        at_most("gradsync: step <= 1.05x DDP's where compressing does not pay", "gradsync", "ddp", 1.05)
+        at_most("gradsync-auto: step <= 1.05x DDP's", "gradsync-auto", "ddp", 1.05)
+    at_most(
+        "gradsync-auto: p90 of its planning steps <= 1.5x DDP's step",
+        "gradsync-auto",
+        "ddp",
+        1.5,
+        "planning_p90_s",
+    )
+    return found
+
+
+def table(document: dict[str, Any]) -> str:
+    """The ways as a Markdown table, the goals met or missed, and the conditions."""
+    lines = [
+        "| way | median step (s) | p90 (s) | vs DDP | vs torch fp16 | first 60 steps, median (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in document["runs"]:
+        lines.append(
+            f"| {r['sync']} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {_times(r['vs_ddp'])} | "
+            f"{_times(r['vs_torch-fp16'])} | {r['first_median_s']:.3f} |"
+        )
+    goals = targets(document)
+    if goals:
+        lines += ["", "| goal | measured | met |", "|---|---:|---|"]
+        lines += [f"| {goal} | {value} | {'yes' if met else '**no**'} |" for goal, value, met in goals]
+    return "\n".join(lines) + "\n\n" + conditions(document)
+
+
+def conditions(document: dict[str, Any]) -> str:
+    meta = document["meta"]
+    options, network = meta["options"], meta["network"]
+    measured = network.get("measured_bits_per_s")
+    probe = f" (an allreduce probe measured {measured / 1e9:.3f} Gbit/s)" if measured else ""
+    return (
+        f"`{options['script']}` ({meta['params'] / 1e6:.1f}M parameters), {options['world_size']} ranks "
+        f"of one torch thread, {options['steps']} steps, {options['repeats']} round(s) of every way in turn; "
+        f"medians over the steps from step {options['steady_from']} on. Network: {network['description']}"
+        f"{probe}. Machine: {meta['machine']['cores']} cores shared by all ranks (CPU work weighs "
+        f"more than on real hosts), torch {meta['machine']['torch']}; commit {meta['commit'][:12]}"
+        f"{' (with uncommitted changes)' if meta['dirty'] else ''}, {meta['date']}."
+    )
+
+
+def write(document: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    return report.write_results(document, out_dir, table, lambda *_: [])
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"

@@ -1,0 +1,84 @@
+"""The runtime benchmark's summary and goals, from hand-made step times (no ranks run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync.bench import script
+
+STEPS = 60
+
+
+def document(
+    times: dict[str, float], configured_bits_per_s: float | None, auto_planning: float = 1.0
+) -> dict:
+    """Every way at a constant step time; plan="auto" slower by `auto_planning` while it plans."""
+    raw = {}
+    for sync, seconds in times.items():
+        steps = [seconds] * STEPS
+        if sync == "gradsync-auto":
+            steps[: script.AUTO_PLANNING_STEPS] = [seconds * auto_planning] * script.AUTO_PLANNING_STEPS
+        raw[sync] = [steps, steps]
+    network = {"description": "test"}
+    if configured_bits_per_s is not None:
+        network["configured_bits_per_s"] = configured_bits_per_s
+    meta = {"network": network, "params": 22_000_000}
+    return script.summarize(raw, meta, script.ScriptOptions(steps=STEPS))
+
+
+def test_medians_speed_ups_and_the_planning_steps() -> None:
+    doc = document({"ddp": 1.4, "torch-fp16": 0.9, "gradsync": 0.45, "gradsync-auto": 0.5}, 1e9, 1.2)
+    runs = {r["sync"]: r for r in doc["runs"]}
+    assert runs["gradsync"]["median_s"] == 0.45
+    assert runs["gradsync"]["vs_ddp"] == pytest.approx(1.4 / 0.45)
+    assert runs["gradsync"]["vs_torch-fp16"] == pytest.approx(0.9 / 0.45)
+    assert runs["gradsync-auto"]["planning_p90_s"] == pytest.approx(0.6)  # its planning steps only
+    assert runs["ddp"]["planning_p90_s"] is None
+
+
+def test_slow_network_goals_are_judged_against_ddp_and_torchs_hooks() -> None:
+    met = {
+        goal: ok
+        for goal, _, ok in script.targets(document({"ddp": 1.4, "torch-fp16": 0.9, "gradsync": 0.45}, 1e9))
+    }
+    assert met["gradsync: >= 3x faster per step than DDP"]
+    assert met["gradsync: >= 1.5x faster than torch's fp16 hook"]
+    missed = {
+        goal: ok
+        for goal, _, ok in script.targets(document({"ddp": 1.4, "torch-fp16": 0.9, "gradsync": 0.7}, 1e9))
+    }
+    assert not missed["gradsync: >= 3x faster per step than DDP"]
+    assert not missed["gradsync: >= 1.5x faster than torch's fp16 hook"]
+
+
+def test_auto_is_judged_on_its_first_steps_against_the_best_fixed_way() -> None:
+    def judged(auto_s: float, planning: float) -> dict[str, bool]:
+        doc = document({"ddp": 1.4, "gradsync": 0.45, "gradsync-auto": auto_s}, 1e9, planning)
+        return {
+            goal.split(":")[1].split("(")[0].strip(): ok
+            for goal, _, ok in script.targets(doc)
+            if "auto" in goal
+        }
+
+    # The median of the first 60 steps: planning steps, fewer than half, do not move it.
+    assert judged(0.46, 3.0)["median of its first 60 steps within 5% of the best fixed way's step"]
+    assert not judged(0.50, 1.0)["median of its first 60 steps within 5% of the best fixed way's step"]
+    assert judged(0.46, 3.0)["p90 of its planning steps <= 1.5x DDP's step"]  # 1.38 s <= 2.1 s
+    assert not judged(0.46, 5.0)["p90 of its planning steps <= 1.5x DDP's step"]  # 2.3 s
+
+
+def test_a_fast_network_judges_what_gradsync_costs_where_compressing_does_not_pay() -> None:
+    doc = document({"ddp": 0.30, "gradsync": 0.33, "gradsync-auto": 0.31}, None)  # loopback
+    met = {goal: ok for goal, _, ok in script.targets(doc)}
+    assert met == {
+        "gradsync: step <= 1.05x DDP's where compressing does not pay": False,
+        "gradsync-auto: step <= 1.05x DDP's": True,
+        "gradsync-auto: p90 of its planning steps <= 1.5x DDP's step": True,
+    }
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="is not a file"):
+        script.ScriptOptions(script="nope.py")
+    with pytest.raises(ValueError, match="fewer than 5 steps"):
+        script.ScriptOptions(steps=16)
