@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from .. import compress
 from ..config import SyncConfig
+from ..strategy import default_collective
 from . import plan, simulate, testbed
 from .bench import BENCHES
 
@@ -52,17 +53,16 @@ def describe(name: str) -> dict[str, object]:
     """What `gradsync list` shows for one registered compressor."""
     cls = compress.lookup(name)
     codec = compress.build(name)
+    collective = default_collective(name)
     if cls.majority_vote:
-        exchange = "vote"
+        collective = "allreduce (vote)"
     elif cls.rounds > 1:
-        exchange = f"allreduce x{cls.rounds}"
-    else:
-        exchange = "allreduce" if cls.summable else "allgather"
+        collective = f"allreduce x{cls.rounds}"
     return {
         "name": name,
         "summable": cls.summable,
         "unbiased": cls.unbiased,
-        "exchange": exchange,
+        "collective": collective,
         "fixed_size": cls.fixed_size,
         # What SyncConfig's error_feedback="auto" picks for it.
         "auto_feedback": SyncConfig(compressor=name).feedback_name,
@@ -78,18 +78,18 @@ def _list(as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows, indent=2, default=repr))
         return 0
-    columns = f"{'name':<10} {'summable':<9} {'unbiased':<9} {'exchange':<13} {'feedback':<9}"
+    columns = f"{'name':<10} {'summable':<9} {'unbiased':<9} {'collective':<17} {'feedback':<9}"
     print(f"{columns} {'bits/elem':>10}  parameters")
     for r in rows:
         params = ", ".join(f"{k}={v!r}" for k, v in r["parameters"].items()) or "-"
         bits = f"{r['bits_per_element']:.3f}" if r["fixed_size"] else f"<={r['bits_per_element']:.1f}"
         print(
-            f"{r['name']:<10} {r['summable']!s:<9} {r['unbiased']!s:<9} {r['exchange']:<13} "
+            f"{r['name']:<10} {r['summable']!s:<9} {r['unbiased']!s:<9} {r['collective']:<17} "
             f"{r['auto_feedback']:<9} {bits:>10}  {params}"
         )
     print(
         f"\nbits/elem: payload bits per element of a {_LIST_NUMEL:,}-element fp32 tensor (fp32 = 32); "
         "<= marks a size that depends on the data.\nfeedback: what error_feedback='auto' picks. "
-        "vote: majority vote, sign bits summed as small integers by one allreduce."
+        "vote: majority vote, sign bits summed as small integers by one allreduce; x2: two rounds."
     )
     return 0
