@@ -70,7 +70,7 @@ bench-plan-train: $(STAMP)
 bench-fidelity: $(STAMP)
 	$(BIN)/python -m gradsync bench fidelity --out docs/bench-fidelity
 
-# Compress + decompress time of every compressor vs a plain copy; writes runs/bench-kernels.json.
+# Compress + decompress time of every compressor vs a plain copy; writes docs/bench-kernels/results.json.
 bench-kernels: $(STAMP)
 	$(BIN)/python -m gradsync bench kernels
 

@@ -114,7 +114,7 @@ def run(options: FidelityOptions, say: Callable[[str], None] = print) -> dict[st
             cases.append(case)
     errors = [abs(r["error"]) for r in rows]
     document = {
-        "meta": {"options": asdict(options), "machine": train.machine()},
+        "meta": {"options": asdict(options), **report.provenance()},
         "rows": rows,
         "median_abs_error": statistics.median(errors),
         "max_abs_error": max(errors),

@@ -31,6 +31,7 @@ from ..sim import compute as computes
 from ..sim import groups as grouping
 from ..sim import models
 from ..sim.compute import Compute, Gradient
+from . import report
 
 CLUSTERS = {
     "8x8 V100 NVLink, 25 Gbit/s": lambda: clusters.cluster(8, 8, "v100", "25gbit"),
@@ -174,7 +175,7 @@ def timing(options: Options) -> list[dict[str, Any]]:
 
 
 def run(options: Options, say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    document: dict[str, Any] = {"options": options.__dict__}
+    document: dict[str, Any] = {"meta": report.provenance(), "options": options.__dict__}
     for part, measure in (("timing", timing), ("quality", quality), ("uniform", uniform)):
         started = time.perf_counter()
         document[part] = measure(options)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..sim import cluster, compute, engine, gantt, groups, models
-from . import report, train
+from . import report
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def run(options: SimBenchOptions) -> dict[str, Any]:
                     }
                 )
     return {
-        "meta": {"options": asdict(options), "machine": train.machine()},
+        "meta": {"options": asdict(options), **report.provenance()},
         "scale": scale,
         "predictions": predictions,
     }

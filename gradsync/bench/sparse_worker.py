@@ -26,7 +26,8 @@ from ..comm import TorchComm, allgather_object
 from ..sparse import SparseResult, exchange
 from ..sparse.select import calibrate
 from .rank import serve
-from .sparse import ATOL_SCALE, RTOL, Source, base_scheme, parse_input, partition_for
+from .sparse_inputs import Source, parse_input
+from .sparse_schemes import ATOL_SCALE, RTOL, base_scheme, partition_for
 from .worker import TxCounter
 
 

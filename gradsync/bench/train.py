@@ -11,6 +11,9 @@ Example:
     >>> options = BenchOptions(workload="mlp-wide", world_size=2, strategies=("ddp", "topk"), steps=30)
     >>> document = run(options, loopback(), progress=False)
     >>> print(report.table(document))
+
+At ~430 lines it is over the usual size because launching ranks (loopback or testbed), following
+their output and summarising the runs are one job that every rank-running benchmark shares.
 """
 
 from __future__ import annotations
@@ -33,9 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import testbed, workloads
-from ..profile import machine
 from ..testbed import Testbed
-from . import strategies
+from . import report, strategies
 from .progress import ProgressBar
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -146,9 +148,7 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
         "params": workload.num_params(),
         "options": asdict(options),
         "network": network.to_dict(),
-        "machine": machine(),
-        "command": " ".join(sys.argv) if sys.argv and sys.argv[0] else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **report.provenance(),
     }
     return summarize(raw, meta, options)
 
