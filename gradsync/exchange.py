@@ -43,7 +43,7 @@ from .comm import Comm, Lane, allgather_sent_nbytes, allgather_sizes, allreduce_
 from .compress import Compressor, Payload
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
-from .strategy import sums
+from .strategy import shards, sums
 from .wire import (
     decode_indices,
     field_bits,
@@ -64,7 +64,7 @@ RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
 class Exchanged:
     """The outcome of one exchange, as seen by one rank."""
 
-    collective: str  # "allreduce" or "allgather": how the payloads combined
+    collective: str  # "allreduce", "allgather" or "two-shot": how the payloads combined
     scheme: str | None  # the sparse scheme that carried rows, if any
     total: torch.Tensor | None  # decoded sum over ranks, same bits on every rank; None if not finite
     local: Local  # this rank's own decoded payload, for error feedback
@@ -120,10 +120,12 @@ def start(
     out: torch.Tensor | None = None,
     keep_local: bool = True,
     guard: bool = True,
+    shard_error: torch.Tensor | None = None,
 ) -> Future[Exchanged]:
     """Compress `x`, exchange the payload as `collective` (or, for a sparsifier, by sparse `scheme`)
-    and return a future of the decoded sum. By default the collective is allreduce where ranks sum
-    the codec's payloads (summable, multi-round, votes), else allgather.
+    and return a future of the decoded sum. By default the collective is the codec's own (as in
+    strategy.default_collective): allreduce where ranks sum the codec's payloads (summable,
+    multi-round, votes), two-shot for the other dense quantizers, else allgather.
 
     `finite` False: this rank's `x` is not finite; it sends zeros and tells the others. `out`
     (shaped like `x`, sharing no memory with it) receives the sum instead of a fresh tensor.
@@ -131,6 +133,8 @@ def start(
     feedback), so a summable payload is allreduced in place. `guard` False: nothing keeps state a
     non-finite step could poison, and the codec carries NaN and inf by itself (its declared
     preserves_nonfinite), so no rank checks the result: it is decoded as it is, `finite` True.
+    `shard_error` (two-shot only): the error memory of this rank's second encoding, shaped like
+    its shard (shard_bounds), updated in place when the step is finite; None: no memory.
     """
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
@@ -138,13 +142,22 @@ def start(
             f"on {x.device}: the sum is decoded into out, so it must match x"
         )
     kind = type(codec)
-    collective = collective or ("allreduce" if sums(kind) else "allgather")
+    collective = collective or ("allreduce" if sums(kind) else "two-shot" if shards(kind) else "allgather")
     if collective == "allgather" and (kind.rounds > 1 or kind.majority_vote):
         raise ValueError(
             f"collective='allgather' for {kind.__name__}, which combines ranks by allreduces of its own "
             "(rounds or a vote), not by decoding each rank's payload; leave the collective to the codec"
         )
+    if collective == "two-shot" and not shards(kind):
+        raise ValueError(
+            f"collective='two-shot' for {kind.__name__}: only fixed-size, dense, single-round codecs "
+            "without a vote can have a shard's sum encoded again by its owner; leave the collective "
+            "to the codec"
+        )
     source = x if finite else torch.zeros_like(x)
+    if collective == "two-shot":
+        program = lambda: _two_shot(codec, source, route.comm, finite, out, shard_error)  # noqa: E731
+        return route.lane.run(program, blocking=True, device=x.device)
     if kind.rounds > 1:
         program = lambda: _rounds(codec, source, route.comm, finite, out)  # noqa: E731
         return route.lane.run(program, blocking=True, device=x.device)
@@ -161,7 +174,7 @@ def start(
         return route.lane.run(program, blocking=False, device=x.device)
     if collective != "allgather":
         raise ValueError(
-            f"collective={collective!r} is not run by gradsync's hook; use allreduce or allgather"
+            f"collective={collective!r} is not run by gradsync's hook; use allreduce, allgather or two-shot"
         )
     blocking = not kind.fixed_size  # sizes first, then the payloads
     return route.lane.run(lambda: _allgather(codec, source, route.comm, finite, out), blocking=blocking)
@@ -419,6 +432,94 @@ def _rounds(
         return Exchanged("allreduce", None, total, local, True, payload_nbytes, sent, clock.seconds, subtract)
 
     return then(comm.allreduce(frame), done, frame.device)
+
+
+def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """[start, end) of each rank's shard in a two-shot exchange: contiguous, in rank order, their
+    sizes differing by at most one element."""
+    base, extra = divmod(numel, world_size)
+    bounds, start = [], 0
+    for rank in range(world_size):
+        end = start + base + (rank < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _two_shot(
+    codec: Compressor,
+    x: torch.Tensor,
+    comm: Comm,
+    finite: bool,
+    out: torch.Tensor | None,
+    shard_error: torch.Tensor | None,
+) -> Future[Exchanged]:
+    """Every shard encoded and sent to its owner; the owners' sums encoded again and allgathered.
+    Waits for the all_to_all before it can encode the sum: runs on the lane's thread."""
+    clock = _Clock()
+    flat, mine = x.view(-1), comm.rank
+    bounds = shard_bounds(flat.numel(), comm.world_size)
+    frames, layouts, ctxs = [], [], []
+    for start, end in bounds:  # framing copies each payload before the next compress can reuse scratch
+        payload, ctx = codec.compress(flat[start:end])
+        frames.append(framed([t.reshape(-1).view(torch.uint8) for t in payload], finite))
+        layouts.append([(t.dtype, t.shape) for t in payload])
+        ctxs.append(ctx)
+    clock.lap("compress")
+    # Fixed-size payloads: a shard's payload has the same layout on every rank.
+    received = comm.all_to_all(frames, [frames[mine].numel()] * comm.world_size).wait()
+    clock.lap("communicate")
+    start, end = bounds[mine]
+    summed = torch.zeros(end - start, dtype=x.dtype, device=x.device)
+    payloads = [from_bytes(frame, layouts[mine]) for frame in received]
+    ok = all(frame[-1] == 0 for frame in received) and all(_all_finite(p) for p in payloads)
+    if ok and comm.world_size > 1:
+        for payload in payloads:  # rank order: the owner's sum has the same bits on every run
+            codec.add_decoded_(summed, payload, ctxs[mine])
+        if shard_error is not None:
+            summed.add_(shard_error)
+    alone = comm.world_size == 1  # a shard of one rank's payload: forwarded as it is, not re-encoded
+    if alone:
+        payload, residual = payloads[0], None
+    else:
+        payload, ctx = codec.compress(summed)  # zeros where a rank was not finite: streams in step
+        # The memory's next value; kept only once every owner's payload is known to be finite.
+        residual = summed - codec.decompress(payload, ctx) if shard_error is not None else None
+    nbytes = [sum(layout_nbytes(layout)) for layout in layouts]
+    frame = framed([t.reshape(-1).view(torch.uint8) for t in payload], ok)
+    frame = torch.cat([frame, frame.new_zeros(max(nbytes) + 1 - frame.numel())])  # equal frames
+    clock.lap("compress")
+    payload_nbytes = sum(nbytes) + (0 if alone else nbytes[mine])
+    sent = sum(f.numel() for rank, f in enumerate(frames) if rank != mine)
+    sent += allgather_sent_nbytes(frame.numel(), comm.world_size)
+
+    def done(gathered: list[torch.Tensor]) -> Exchanged:
+        clock.lap("communicate")
+        sums = [from_bytes(f, layout) for f, layout in zip(gathered, layouts, strict=True)]
+        flags = [f[size] for f, size in zip(gathered, nbytes, strict=True)]
+        if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in sums)):
+            return Exchanged("two-shot", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
+        if residual is not None:
+            shard_error.copy_(residual)  # type: ignore[union-attr]
+        total = torch.empty_like(x) if out is None else out
+        for (lo, hi), shard_sum, shard_ctx in zip(bounds, sums, ctxs, strict=True):
+            codec.decompress_into(total.view(-1)[lo:hi], shard_sum, shard_ctx)
+        clock.lap("decompress")
+        own = [from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
+
+        def local() -> torch.Tensor:
+            return torch.cat([codec.decompress(p, c).view(-1) for p, c in zip(own, ctxs, strict=True)]).view(
+                x.shape
+            )
+
+        def subtract(t: torch.Tensor) -> torch.Tensor:
+            for (lo, hi), p, c in zip(bounds, own, ctxs, strict=True):
+                codec.sub_decoded_(t.view(-1)[lo:hi], p, c)
+            return t
+
+        return Exchanged("two-shot", None, total, local, True, payload_nbytes, sent, clock.seconds, subtract)
+
+    return then(comm.allgather(frame), done, frame.device)
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from . import compress
 from .sim import quick
 from .sim.cluster import CPU_HOST, Cluster
 from .sim.compute import Compute
-from .strategy import NONE, Strategy, parse, sums
+from .strategy import NONE, Strategy, parse, shards, sums
 
 # Count vectors tried exactly by the offload step; larger instances go class by class.
 OFFLOAD_EXACT_LIMIT = 1024
@@ -55,10 +55,11 @@ def space(
     """The strategies a group may take on `cluster`, none (fp32) first.
 
     none, fp16 and bf16 allreduce; then, for `compressor` (with its arguments), every exchange its
-    payload allows: allreduce where ranks sum its payloads, allgather where each payload can be
-    decoded alone, the sparse schemes (scheme=auto) where its payload is sparse rows, and two-level
-    where nodes have several workers; and each of those offloaded to CPU threads where the workers
-    compute on GPUs. On a measured cluster, only codecs whose cost the profile measured.
+    payload allows: allreduce where ranks sum its payloads, two-shot where a shard's sum can be
+    encoded again, allgather where each payload can be decoded alone, the sparse schemes
+    (scheme=auto) where its payload is sparse rows, and two-level where nodes have several workers;
+    and each of those offloaded to CPU threads where the workers compute on GPUs. On a measured
+    cluster, only codecs whose cost the profile measured.
 
     Example:
         >>> from gradsync.sim import cluster
@@ -71,6 +72,8 @@ def space(
         args = tuple(sorted((compressor_args or {}).items()))
         codec = type(compress.build(compressor, **dict(args)))
         ways = [Strategy(compressor, args, "allreduce")] if sums(codec) else []
+        if shards(codec) and not codec.summable:  # summable payloads are simply allreduced
+            ways.append(Strategy(compressor, args, "two-shot"))
         if codec.rounds == 1 and not codec.majority_vote:
             ways.append(Strategy(compressor, args, "allgather"))
         if codec.sparse_rows:

@@ -1,9 +1,11 @@
 """Strategy: how one group of gradients is exchanged, in the runtime's words.
 
 A strategy is written `codec[:key=value...]`: the codec's own arguments, plus
-  collective=allreduce|allgather|two-level   how the ranks' payloads combine; by default allreduce
-                      where payloads can be summed (casts, randk) or combine by a sum of their own
-                      (PowerSGD's rounds, the sign vote), allgather otherwise;
+  collective=allreduce|allgather|two-shot|two-level   how the ranks' payloads combine; by default
+                      allreduce where payloads can be summed (casts, randk) or combine by a sum of
+                      their own (PowerSGD's rounds, the sign vote), two-shot for the other dense
+                      quantizers (int8, qsgd, ...: each shard's owner sums and re-encodes it),
+                      allgather otherwise (the sparsifiers);
   scheme=auto|dense|agsparse|balanced|recursive-doubling   sparse rows go by this sparse scheme
                       (gradsync.sparse): a sparsifier's payload (topk, dgc, threshold), or the
                       embedding rows of an uncompressed group; "auto" lets the selector pick per
@@ -26,7 +28,7 @@ from typing import Any
 from . import compress, registry, sparse
 
 NONE = "none"  # the one spelling of "no compression"
-COLLECTIVES = ("allreduce", "allgather", "two-level")
+COLLECTIVES = ("allreduce", "allgather", "two-shot", "two-level")
 AUTO_SCHEME = "auto"
 PLACES = ("device", "cpu")
 
@@ -54,10 +56,10 @@ class Strategy:
         if not self.compressed:
             if self.args:
                 raise ValueError(f"strategy {self.text!r}: 'none' takes no codec arguments")
-            if self.collective == "allgather":
+            if self.collective in ("allgather", "two-shot"):
                 raise ValueError(
                     f"strategy {self.text!r}: uncompressed gradients are summed, in one level or two; "
-                    "drop collective=allgather"
+                    f"drop collective={self.collective}"
                 )
             if self.on == "cpu":
                 raise ValueError(f"strategy {self.text!r}: nothing to offload without a codec; drop on=cpu")
@@ -78,6 +80,12 @@ class Strategy:
                 f"strategy {self.text!r}: {self.codec} combines ranks by its own allreduces "
                 f"({'a vote' if kind.majority_vote else f'{kind.rounds} rounds'}), not by decoding "
                 "each rank's payload; drop collective=allgather"
+            )
+        if self.collective == "two-shot" and not shards(kind):
+            raise ValueError(
+                f"strategy {self.text!r}: two-shot needs a fixed-size, dense, single-round codec "
+                f"without a vote, whose shard sums its owner can encode again; {self.codec} is not one. "
+                "Drop collective=two-shot"
             )
         codec(self.codec, self.args)  # unknown arguments and bad values fail here
 
@@ -136,14 +144,22 @@ def parse(text: str) -> Strategy:
 
 def default_collective(name: str) -> str:
     """allreduce where the codec's payloads are summed (or it sums in rounds or votes of its own),
-    else allgather."""
-    return "allreduce" if name == NONE or sums(codec_class(name)) else "allgather"
+    two-shot where a shard's sum can be encoded again (the dense quantizers), else allgather."""
+    if name == NONE or sums(codec_class(name)):
+        return "allreduce"
+    return "two-shot" if shards(codec_class(name)) else "allgather"
 
 
 def sums(kind: type[compress.Compressor]) -> bool:
     """Whether ranks combine `kind`'s payloads by allreduce: summable payloads, multi-round
     protocols and majority votes."""
     return kind.summable or kind.rounds > 1 or kind.majority_vote
+
+
+def shards(kind: type[compress.Compressor]) -> bool:
+    """Whether ranks can combine `kind`'s payloads by two-shot: fixed-size dense payloads of one
+    round and no vote, so a shard's owner can decode, sum and encode them again."""
+    return kind.fixed_size and not kind.sparse_rows and kind.rounds == 1 and not kind.majority_vote
 
 
 def codec_class(name: str) -> type[compress.Compressor]:

@@ -49,9 +49,23 @@ class CompressionPoint:
     numel: int
     codec: Compressor
     feedback: Feedback
+    # Two-shot with error feedback: the memory of re-encoding the shard this rank owns.
+    shard_error: torch.Tensor | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"numel": self.numel, "codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
+        return {
+            "numel": self.numel,
+            "codec": self.codec.state_dict(),
+            "feedback": self.feedback.state_dict(),
+            "shard_error": None if self.shard_error is None else self.shard_error.clone(),
+        }
+
+    def shard_memory(self, like: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        """The shard's error memory, zero on first use (a two-shot group with error feedback)."""
+        start, end = exchange.shard_bounds(self.numel, world_size)[rank]
+        if self.shard_error is None or self.shard_error.numel() != end - start:
+            self.shard_error = like.new_zeros(end - start)
+        return self.shard_error
 
 
 class SyncState:
@@ -284,6 +298,8 @@ class SyncState:
         # afterwards: what was compressed is another tensor, or its decode is not needed again.
         uses_local = type(point.feedback).uses_local
         into_x = (p is not x or not uses_local) and not type(point.feedback).reads_gradient
+        # Error feedback covers both encodings of a two-shot exchange, the owner's second one too.
+        second = strategy.collective == "two-shot" and not isinstance(point.feedback, feedback.NoFeedback)
         future = exchange.start(
             point.codec,
             p,
@@ -294,6 +310,7 @@ class SyncState:
             out=x if into_x else None,
             keep_local=uses_local,
             guard=guard,
+            shard_error=point.shard_memory(x, comm.rank, comm.world_size) if second else None,
         )
 
         def finish(result: exchange.Exchanged) -> torch.Tensor:
@@ -517,6 +534,7 @@ class SyncState:
             point = self._new_point(int(index), saved["numel"])
             point.codec.load_state_dict(saved["codec"])
             point.feedback.load_state_dict(saved["feedback"])
+            point.shard_error = saved.get("shard_error")  # absent from checkpoints before two-shot
             self.points[int(index)] = point
         self.layout = {int(index): tuple(params) for index, params in state["layout"].items()}
         self.sparse.load_state_dict(state["sparse"])

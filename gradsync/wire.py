@@ -221,7 +221,7 @@ def from_bytes(frame: torch.Tensor, layout: list) -> tuple[torch.Tensor, ...]:
     offset = 0
     for (dtype, shape), nbytes in zip(layout, layout_nbytes(layout), strict=True):
         chunk = frame[offset : offset + nbytes]
-        if offset % dtype.itemsize:
+        if chunk.storage_offset() % dtype.itemsize:  # the frame itself may be a slice of a buffer
             chunk = chunk.clone()  # a misaligned slice cannot be viewed as a wider type
         tensors.append(chunk.view(dtype).view(shape))
         offset += nbytes

@@ -291,7 +291,8 @@ RUNS = {
     "fp16:collective=allgather": ("allgather", None),
     "topk:ratio=0.1": ("allgather", None),
     "topk:ratio=0.1:scheme=balanced": ("allgather", "balanced"),
-    "qsgd": ("allgather", None),
+    "qsgd": ("two-shot", None),
+    "qsgd:collective=allgather": ("allgather", None),
     "powersgd:rank=1": ("allreduce", None),
     "signsgd": ("allreduce", None),
 }

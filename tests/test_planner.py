@@ -20,8 +20,16 @@ from gradsync.sim import groups as grouping
 from gradsync.sim.compute import Compute, Gradient
 from gradsync.strategy import parse
 
-FLAT = ["none", "fp16", "topk:ratio=0.01", "qsgd", "efsignsgd", "topk:ratio=0.01:scheme=auto"]
-OFFLOADED = ["topk:ratio=0.01:on=cpu", "qsgd:on=cpu"]
+# Strategies whose work all comes before or after their transfers (quick's exact case).
+FLAT = [
+    "none",
+    "fp16",
+    "topk:ratio=0.01",
+    "qsgd:collective=allgather",
+    "efsignsgd:collective=allgather",
+    "topk:ratio=0.01:scheme=auto",
+]
+OFFLOADED = ["topk:ratio=0.01:on=cpu", "qsgd:collective=allgather:on=cpu"]
 
 
 def fit(fixed_s: float, per_unit_s: float) -> LinearFit:
@@ -82,6 +90,20 @@ def test_the_quick_layout_equals_the_engine_for_flat_strategies(model: str, node
         )
     layout = quick.layout(work, quick.ready_times(work, groups), np.array(rows), where.cpu_threads)
     assert layout.step_s == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("text", ["qsgd", "int8", "efsignsgd"])
+def test_a_two_shot_exchange_after_the_backward_pass_lays_out_as_in_the_engine(text: str) -> None:
+    # The owner's decode and re-encode sit between the two transfers: quick holds them on the
+    # network, the engine runs them on the device, which is idle once the backward pass is done.
+    where = clusters.cluster(4, 1, "v100", "25gbit")
+    work = computes.from_model(models.build("bert-base"), where.device)
+    groups = [list(range(len(work.numels)))]  # one group: ready when the backward pass ends
+    strategy = parse(text)
+    assert strategy.collective == "two-shot"
+    costs = [quick.cost_vector(strategy, sum(work.numels), where)]
+    fast = quick.layout(work, quick.ready_times(work, groups), np.array(costs)).step_s[0]
+    assert fast == pytest.approx(engine.simulate(work, where, strategy, groups).step_s, rel=1e-12)
 
 
 def test_a_two_level_exchange_is_held_no_shorter_than_the_engine_pipelines_it() -> None:

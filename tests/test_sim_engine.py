@@ -121,7 +121,7 @@ def test_compression_on_the_device_delays_the_rest_of_the_backward_pass():
     work = hand_compute()
     where = flat(4)
     plain = simulate(work, where, "none", groups.layerwise(4))
-    squeezed = simulate(work, where, "qsgd", groups.layerwise(4))
+    squeezed = simulate(work, where, "qsgd:collective=allgather", groups.layerwise(4))
     codec = [s for s in squeezed.spans if s.lane == CODEC and s.label == "compress"]
     assert len(codec) == 4
     # The last gradient is ready later by the three compressions before it.
@@ -219,7 +219,7 @@ def test_two_level_exchange_of_a_quantizer_sends_less_across_nodes_than_a_flat_a
     # an NVLink reduce-scatter, so only nodes - 1 payloads of a share cross the NIC.
     work = hand_compute(numels=(10**7,) * 4)
     where = clusters.cluster(16, 8, "v100", "25gbit")
-    flat_gather = simulate(work, where, "qsgd", groups.layerwise(4))
+    flat_gather = simulate(work, where, "qsgd:collective=allgather", groups.layerwise(4))
     two_level = simulate(work, where, "qsgd:collective=two-level", groups.layerwise(4))
     assert two_level.communication_s < flat_gather.communication_s / 4
     assert two_level.step_s < flat_gather.step_s

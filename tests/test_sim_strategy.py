@@ -23,7 +23,8 @@ def test_parse_round_trips_through_text():
     ]:
         assert parse(parse(text).text) == parse(text)
     assert parse("none") == parse("none") == Strategy()
-    assert parse("qsgd").collective == "allgather"  # not summable
+    assert parse("qsgd").collective == "two-shot"  # not summable, but a shard's sum re-encodes
+    assert parse("topk").collective == "allgather"  # sparse: each rank's payload decoded alone
     assert parse("fp16").collective == "allreduce"  # summable
     assert parse("powersgd").collective == parse("signsgd").collective == "allreduce"  # their own sums
     assert parse("topk:scheme=auto").scheme == "auto"
@@ -70,12 +71,40 @@ def test_flat_phases_use_the_faster_of_ring_and_tree_on_the_inter_node_link():
     assert big.seconds == pytest.approx(cost.ring_allreduce_s(4e8, 32, where.inter))  # bandwidth-bound
     (small,) = phases(parse("none"), 10, where)
     assert small.seconds == pytest.approx(cost.tree_allreduce_s(40, 32, where.inter))  # latency-bound
-    compress_, gather, decompress = phases(parse("qsgd"), 10**6, where)
-    payload = parse("qsgd").payload_bytes(10**6)
+    gathered = parse("qsgd:collective=allgather")
+    compress_, gather, decompress = phases(gathered, 10**6, where)
+    payload = gathered.payload_bytes(10**6)
     assert gather.seconds == pytest.approx(cost.allgather_equal_s(payload, 32, where.inter))
     # Every worker's payload is decoded into the sum: 32 decodes.
-    assert decompress.seconds == pytest.approx(codec_seconds(parse("qsgd"), "decompress", 10**6, where, 32))
+    assert decompress.seconds == pytest.approx(codec_seconds(gathered, "decompress", 10**6, where, 32))
     assert compress_.resource == decompress.resource == "device"
+
+
+def test_two_shot_sends_each_shard_to_its_owner_then_gathers_the_owners_sums():
+    where = clusters.cluster(4, 8, "v100", "25gbit")
+    n, numel = 32, 32 * 10**5
+    strategy = parse("int8")
+    shard = numel // n
+    steps = phases(strategy, numel, where)
+    assert [p.label for p in steps] == [
+        "compress",
+        "all_to_all",
+        "decompress",
+        "compress",
+        "allgather",
+        "decompress",
+    ]
+    to_owners, gathered = steps[1], steps[4]
+    assert to_owners.seconds == pytest.approx(
+        cost.all_to_all_uniform_s(strategy.payload_bytes(numel), n, where.inter)
+    )
+    shard_payload = strategy.payload_bytes(shard)
+    assert gathered.seconds == pytest.approx(cost.allgather_equal_s(shard_payload, n, where.inter))
+    # The owner decodes its shard from every worker; every worker decodes each owner's shard once.
+    assert steps[2].seconds == pytest.approx(codec_seconds(strategy, "decompress", shard, where, n))
+    # Bytes on the wire: about 2 (n-1)/n payloads per worker against the allgather's n - 1.
+    flat = phases(parse("int8:collective=allgather"), numel, where)[1]
+    assert to_owners.seconds + gathered.seconds < flat.seconds / 8
 
 
 def test_decoding_costs_grow_with_payloads_and_sparsifiers_touch_only_what_they_sent():

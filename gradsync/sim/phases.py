@@ -73,6 +73,8 @@ def phases(strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gr
         return _sparse_rows(numel, sparse, cluster)
     if strategy.collective == "two-level" and cluster.nodes > 1 and g > 1:
         return _two_level(strategy, numel, cluster)
+    if strategy.collective == "two-shot":
+        return _two_shot(strategy, numel, cluster)
     payload = strategy.payload_bytes(numel)
     steps: list[Phase] = []
     if strategy.compressed:
@@ -182,6 +184,21 @@ def _two_level(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
     ]
 
 
+def _two_shot(strategy: Strategy, numel: int, cluster: Cluster) -> list[Phase]:
+    """Every shard encoded and sent to its owner (all_to_all), which decodes the n payloads of its
+    shard and encodes their sum; the owners' payloads allgathered and decoded, one per shard."""
+    n = cluster.world_size
+    shard = math.ceil(numel / n)
+    return [
+        *_codec_phase(strategy, "compress", numel, cluster, 1),
+        _transfer(cluster, "all_to_all", strategy.payload_bytes(numel), n),
+        *_codec_phase(strategy, "decompress", shard, cluster, n),
+        *_codec_phase(strategy, "compress", shard, cluster, 1),
+        _transfer(cluster, "allgather", strategy.payload_bytes(shard), n),
+        *_codec_phase(strategy, "decompress", numel, cluster, 1),
+    ]
+
+
 def _transfer(cluster: Cluster, name: str, nbytes_per_rank: float, n: int, dtype: str = "float32") -> Phase:
     """A flat collective over every worker, with the contention measured for it, if any."""
     contention = cluster.contention or {}
@@ -197,12 +214,17 @@ def _transfer(cluster: Cluster, name: str, nbytes_per_rank: float, n: int, dtype
 
 def _collective(cluster: Cluster, name: str, nbytes_per_rank: float, n: int, dtype: str = "float32") -> float:
     if cluster.collectives is not None:
+        if name == "all_to_all" and name not in cluster.collectives:
+            # Unmeasured: a ring all_to_all moves what a reduce-scatter does, half an allreduce.
+            return cluster.collectives["allreduce"](nbytes_per_rank) / 2
         # A sum's speed depends on its dtype (gloo adds fp16 far slower per byte than fp32).
         fit = cluster.collectives.get(f"{name}:{dtype}", cluster.collectives[name])
         return fit(nbytes_per_rank)
     link = cluster.inter if cluster.nodes > 1 else cluster.intra  # a flat ring crosses every NIC
     if name == "allgather":
         return cost.allgather_equal_s(nbytes_per_rank, n, link)
+    if name == "all_to_all":
+        return cost.all_to_all_uniform_s(nbytes_per_rank, n, link)
     # NCCL picks ring or tree per size: the tree's log-depth latency wins for small tensors on
     # many workers, the ring's bandwidth for large ones.
     return min(

@@ -14,9 +14,11 @@ operations over groups, for a batch of assignments (rows) at once, in tens of mi
     device are a prefix of the groups, found with one comparison.
 
 For flat collectives, without jitter or measured contention, this is exactly the layout the
-engine computes (tests/test_sim_quick.py checks it). It simplifies two things the engine models:
+engine computes (tests/test_sim_quick.py checks it). It simplifies three things the engine models:
 a two-level exchange holds the network for the sum of its phases (the engine pipelines its intra-
-and inter-node steps), and measured contention between transfers and compute is left out. The
+and inter-node steps); a two-shot exchange holds it through the owner's decode and re-encode
+between its two transfers (the engine queues them on the device, behind any backward pass still
+running); and measured contention between transfers and compute is left out. The
 planner's final prediction comes from the engine.
 """
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
 
-from gradsync import compress, exchange
+from gradsync import compress, exchange, strategy
 from gradsync.comm import TorchComm
 from gradsync.exchange import Route
 
@@ -224,6 +224,17 @@ def test_payload_bytes_exclude_the_flag_and_bytes_sent_include_it(
     for rank, out in enumerate(outs):
         got = out["clean"]
         own = sizes[rank]
+        if strategy.default_collective(name) == "two-shot":
+            # Each shard's payload to its owner (a flag byte each), then the owners' payloads of
+            # their sums allgathered, padded to the longest shard's and flagged.
+            shards = [
+                compress.build(name).payload_bytes(hi - lo)
+                for lo, hi in exchange.shard_bounds(CODEC_NUMEL, world)
+            ]
+            assert got["payload_nbytes"] == sum(shards) + shards[rank], f"rank {rank}"
+            to_owners = sum(size + 1 for owner, size in enumerate(shards) if owner != rank)
+            assert got["sent_nbytes"] == to_owners + (world - 1) * (max(shards) + 1), f"rank {rank}"
+            continue
         if codec.majority_vote:
             assert got["payload_nbytes"] == vote_payload_bytes(CODEC_NUMEL, world)
             continue  # sent_nbytes: see the vote test
