@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import registry
+from .absmax import Int4, Int8
 from .base import Compressor, Payload
 from .cast import BF16, FP16
 from .dgc import DGC
-from .int8 import Int8
 from .natural import Natural
 from .none import NoCompression
 from .powersgd import PowerSGD
@@ -38,6 +38,7 @@ REGISTRY: dict[str, type[Compressor]] = {
     "dgc": DGC,
     # quantization
     "int8": Int8,
+    "int4": Int4,
     "qsgd": QSGD,
     "terngrad": TernGrad,
     "natural": Natural,
