@@ -212,11 +212,70 @@ class EControl(Feedback):
         return h_mean.clone()
 
 
+class MomentumCorrection(Feedback):
+    """Error feedback on the momentum's velocity, not the gradient: DGC's momentum correction (Lin
+    et al., "Deep Gradient Compression", ICLR 2018), under the user's own momentum optimizer.
+
+    Per rank, with this rank's share g / n and `momentum` beta:
+        u <- beta u + g / n           the velocity, as the optimizer would build it
+        p  = e + u                    accumulated; what the codec compresses
+        e <- p - decoded(C(p))        what was not sent waits, as in residual feedback
+    The sum over ranks, D, is the step's update direction, as DGC applies it. The optimizer gets
+    D - beta * D_prev: SGD with momentum beta then holds exactly D in its momentum buffer (its old
+    buffer from before compression fades as beta^t), so the user's optimizer steps as usual.
+
+    Sparsifiers pick the coordinates whose accumulated velocity is largest, and an entry's delayed
+    contribution arrives as momentum would have applied it. Without compression the correction
+    cancels out: u_t - beta u_{t-1} is the gradient, exactly. With `momentum=0` it is residual
+    feedback. Set `momentum` to the optimizer's (SGD's momentum=); under other optimizers it still
+    feeds back error, in the velocity's terms.
+    """
+
+    uses_local = True
+
+    def __init__(self, momentum: float = 0.9) -> None:
+        self.momentum = check_real("momentum", momentum, 0, 1, "[)", "your optimizer's, e.g. 0.9")
+        self.velocity: torch.Tensor | None = None  # u
+        self.error: torch.Tensor | None = None  # e
+        self.applied: torch.Tensor | None = None  # D_prev: what the optimizer's buffer holds
+        self._velocity_spare: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
+        self._applied_spare: torch.Tensor | None = None
+
+    def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
+        # Written into spares: the memories stay untouched until update, so a skipped step leaves
+        # no trace.
+        velocity = self._velocity_spare = _spare_like(self._velocity_spare, g)
+        torch.add(g, self._memory("velocity", g), alpha=self.momentum * world_size, out=velocity)
+        if world_size != 1:
+            velocity.div_(world_size)  # beta u + g / n, from (g + n beta u) / n
+        spare = self._spare = _spare_like(self._spare, g)
+        return torch.add(self._memory("error", g), velocity, out=spare)
+
+    def update(
+        self,
+        g: torch.Tensor,
+        p: torch.Tensor,
+        local: Local,
+        total: torch.Tensor,
+        remove_local_: RemoveLocal | None = None,
+    ) -> torch.Tensor:
+        residual = remove_local_(p) if remove_local_ is not None else p.sub_(local())
+        self._spare, self.error = self.error, residual
+        self._velocity_spare, self.velocity = self.velocity, self._velocity_spare
+        previous = self._memory("applied", total)
+        self._applied_spare = _spare_like(self._applied_spare, total)
+        self._applied_spare.copy_(total)
+        self.applied, self._applied_spare = self._applied_spare, previous
+        return total.sub_(previous, alpha=self.momentum)  # D - beta * D_prev, in the decoded sum
+
+
 REGISTRY: dict[str, type[Feedback]] = {
     "none": NoFeedback,
     "ef": ErrorFeedback,
     "ef21": EF21,
     "econtrol": EControl,
+    "momentum": MomentumCorrection,
 }
 
 
@@ -227,6 +286,13 @@ def names() -> list[str]:
 def build(name: str, **params: Any) -> Feedback:
     """Construct the error-feedback form registered as `name` (errors as compress.build)."""
     return registry.construct(REGISTRY, "error_feedback", name, params)
+
+
+def _spare_like(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """`spare` if it can hold a tensor like `like`, else a fresh one."""
+    if spare is None or spare.shape != like.shape or spare.dtype != like.dtype or spare.device != like.device:
+        return torch.empty_like(like)
+    return spare
 
 
 def _copy(value: Any) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import gradsync
 from gradsync.bench import report, strategies, train
 from gradsync.bench.progress import ProgressBar
 
@@ -24,12 +25,13 @@ def test_baselines_parse_to_their_kinds():
     assert "rank 4" in powersgd.label
 
 
-def test_topk_defaults_to_one_percent_sampled_with_error_feedback():
+def test_a_named_compressor_runs_with_its_own_defaults_as_a_user_gets_them():
     topk = strategies.parse("topk")
     assert topk.kind == "gradsync"
-    assert dict(topk.config.compressor_args) == {"ratio": 0.01, "mode": "sampled"}
+    assert dict(topk.config.compressor_args) == {}  # no setting a user would not find
     assert topk.config.feedback_name == "ef"
-    assert "ef" in topk.label and "0.01" in topk.label
+    assert "ef" in topk.label
+    assert strategies.parse("auto").config.compressor == gradsync.SyncConfig().compressor
 
 
 def test_gradsync_options_reach_the_config():

@@ -218,14 +218,24 @@ def reference_outputs(config: SyncConfig, gs: list[torch.Tensor]) -> list[torch.
     codec = config.build_compressor(_derive_seed(config.seed, 0, 0))
     form = config.feedback_name
     eta = float(config.error_feedback_args.get("eta", 0.01))
-    e = h_local = h_mean = torch.zeros(gs[0].numel())
+    beta = float(config.error_feedback_args.get("momentum", 0.9))
+    e = h_local = h_mean = u = applied = torch.zeros(gs[0].numel())
     outs = []
     for g in gs:
-        p = {"none": g, "ef": g + e, "ef21": g - h_local, "econtrol": (g - h_local).add_(e, alpha=eta)}[form]
+        u = torch.add(g, u, alpha=beta) if form == "momentum" else u  # g + beta u, as one op
+        p = {
+            "none": g,
+            "ef": g + e,
+            "ef21": g - h_local,
+            "econtrol": (g - h_local).add_(e, alpha=eta),
+            "momentum": e + u,
+        }[form]
         result = exchange.start(codec, p, Route(LocalComm())).wait()
         out = result.total
-        if form == "ef":
+        if form in ("ef", "momentum"):
             e = p - result.local()
+        if form == "momentum":  # DGC's update direction, less what the optimizer's momentum adds
+            out, applied = torch.sub(result.total, applied, alpha=beta), result.total
         elif form in ("ef21", "econtrol"):
             delta = result.local()
             if form == "econtrol":

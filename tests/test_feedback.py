@@ -269,3 +269,40 @@ def test_econtrol_eta_that_is_not_a_number_raises_value_error_naming_it(eta: Any
 @pytest.mark.parametrize("eta", [0, 0.0, 0.01, 1])
 def test_econtrol_accepts_eta_in_the_closed_unit_interval(eta: float) -> None:
     assert feedback.build("econtrol", eta=eta).eta == float(eta)
+
+
+# -- momentum correction (DGC's, under the user's momentum optimizer) --------------------------------
+
+
+def test_momentum_correction_with_a_lossless_codec_returns_the_gradient() -> None:
+    # u_t - beta u_{t-1} is g_t: what the optimizer gets when nothing is held back.
+    steps = run("momentum", compress.build("none"), gradients(), momentum=0.9)
+    for step, g in zip(steps, gradients(), strict=True):
+        assert float((step.out - g).abs().max()) <= float_tolerance(g, step.decoded)
+
+
+@pytest.mark.parametrize(("name", "args"), CODECS, ids=CODEC_IDS)
+def test_momentum_correction_conserves_velocity_as_sent_plus_what_waits(name: str, args: dict) -> None:
+    fb = feedback.build("momentum", momentum=0.9)
+    codec = compress.build(name, **args)
+    velocity, accumulated, sent = torch.zeros(NUMEL), torch.zeros(NUMEL), torch.zeros(NUMEL)
+    for g in gradients():
+        step = Step(fb, codec, g)
+        velocity = 0.9 * velocity + g
+        accumulated += velocity
+        sent += step.decoded
+        lhs, rhs = accumulated, sent + fb.error
+        assert float((lhs - rhs).abs().max()) <= 4 * float_tolerance(lhs, sent)
+
+
+def test_sgd_with_the_same_momentum_then_holds_dgcs_update_direction_in_its_buffer() -> None:
+    fb = feedback.build("momentum", momentum=0.9)
+    codec = compress.build("topk", ratio=0.1)
+    param = torch.nn.Parameter(torch.zeros(NUMEL))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    for g in gradients(8):
+        step = Step(fb, codec, g)
+        param.grad = step.out
+        optimizer.step()
+        buffer = optimizer.state[param]["momentum_buffer"]
+        assert float((buffer - step.decoded).abs().max()) <= float_tolerance(buffer, step.decoded)

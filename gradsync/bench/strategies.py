@@ -10,9 +10,10 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
   compressor. Options are the compressor's arguments plus `ef` (error-feedback form), `warmup`
   and `sparse` (the sparse scheme, SyncConfig.sparse_scheme: `identity:sparse=balanced` sends
   dense buckets as they are and an embedding's sparse gradient by Zen's balanced scheme).
-  `topk` defaults to ratio 0.01 with the sampled threshold, its fast mode.
+  Each takes the compressor's own defaults: what a user gets who names it (`int4`, gradsync's
+  default, is SyncConfig()).
 - `auto[:compressor=NAME:key=value...]`: gradsync with SyncConfig(plan="auto"): it measures the
-  first steps, plans per group among fp32, fp16, bf16 and NAME (default topk, as above) with its
+  first steps, plans per group among fp32, fp16, bf16 and NAME (default SyncConfig's) with its
   arguments, confirms the best candidates on real steps and adopts the fastest measured.
 
 Example:
@@ -33,8 +34,6 @@ from ..config import AUTO_PLAN, NO_COMPRESSION, SyncConfig
 from ..exchange import allreduce_sent_nbytes
 
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
-# gradsync's defaults for the benchmark where they differ from the compressor's own.
-_GRADSYNC_DEFAULTS: dict[str, dict[str, Any]] = {"topk": {"ratio": 0.01, "mode": "sampled"}}
 _POWERSGD_OPTIONS = {"rank": 1, "min_rate": 2.0}  # torch's own defaults
 WARMUP_STEPS = SyncConfig().warmup_steps
 
@@ -113,7 +112,7 @@ def parse(text: str) -> Strategy:
         return Strategy(text, name, merged)
     plan = None
     if name == AUTO_PLAN:
-        plan, name = AUTO_PLAN, options.pop("compressor", "topk")
+        plan, name = AUTO_PLAN, options.pop("compressor", SyncConfig().compressor)
     if name not in (*compress.names(), NO_COMPRESSION):
         raise ValueError(
             f"unknown strategy {name!r} in {text!r}; choose one of {', '.join(BASELINES)} or a gradsync "
@@ -122,11 +121,10 @@ def parse(text: str) -> Strategy:
     feedback = options.pop("ef", "auto")
     warmup = options.pop("warmup", WARMUP_STEPS)
     scheme = options.pop("sparse", "auto")
-    args = {**_GRADSYNC_DEFAULTS.get(name, {}), **options}
     try:
         config = SyncConfig(
             compressor=name,
-            compressor_args=args,
+            compressor_args=options,
             error_feedback=feedback,
             warmup_steps=warmup,
             sparse_scheme=scheme,

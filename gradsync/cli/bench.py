@@ -88,7 +88,7 @@ def _add_bench_train(benches: argparse._SubParsersAction) -> argparse.ArgumentPa
     train.add_argument("--world", type=int, default=defaults["world_size"].default, help="ranks (default 4)")
     train.add_argument(
         "--strategies",
-        default="ddp,torch-fp16,torch-powersgd,topk",
+        default="ddp,torch-fp16,torch-powersgd,int4,topk",
         help="comma-separated: ddp, torch-fp16, torch-powersgd[:rank=R], or a gradsync compressor "
         "with options, e.g. topk:ratio=0.01 (default %(default)s)",
     )
