@@ -25,7 +25,8 @@ from dist_harness import batch, config, ddp, flat_params, make_mlp, run_ranks, s
 from torch import nn
 
 import gradsync
-from gradsync import compress
+from gradsync import compress, exchange
+from gradsync.strategy import default_collective
 
 # -- ranks configured differently ------------------------------------------------------------------
 
@@ -104,13 +105,12 @@ INJECTIONS = {"nan_loss": (1, 0.004), "inf_loss": (2, 0.004), "one_inf_entry": (
 
 
 def _memories(state: gradsync.SyncState) -> dict:
-    """Every error-memory tensor, by (bucket, name)."""
-    return {
-        (index, name): value
-        for index, point in state.state_dict()["points"].items()
-        for name, value in point["feedback"].items()
-        if isinstance(value, torch.Tensor)
-    }
+    """Every error-memory tensor, by (bucket, name): the feedback's and two-shot's second one."""
+    memories = {}
+    for index, point in state.state_dict()["points"].items():
+        named = {**point["feedback"], "shard_error": point["shard_error"]}
+        memories |= {(index, name): v for name, v in named.items() if isinstance(v, torch.Tensor)}
+    return memories
 
 
 def _same(a: object, b: object) -> bool:
@@ -136,6 +136,12 @@ def _codecs_given_zeros(state: gradsync.SyncState) -> dict[int, compress.Compres
         zeros = torch.zeros(point.numel)
         if twin.rounds > 1:
             twin.begin(zeros)  # type: ignore[attr-defined]
+        elif default_collective(state.config.compressor) == "two-shot":
+            bounds = exchange.shard_bounds(point.numel, state.world_size)
+            for lo, hi in bounds:  # every shard, then the sum of the shard this rank owns
+                twin.compress(zeros[lo:hi])
+            lo, hi = bounds[state.rank]
+            twin.compress(zeros[lo:hi])
         else:
             twin.compress(zeros)
         twins[index] = twin

@@ -6,7 +6,8 @@ The fault matrix: one rank (the victim) of three is
   stall              stopped inside its backward pass for twice the process group's timeout;
   forward_error      raising in its forward pass and staying alive (a caught exception);
 for every collective family gradsync issues: allreduce (fp16), the majority vote (signsgd),
-allgather (qsgd), allgather of variable sizes (threshold), all_to_all (Zen's balanced scheme),
+allgather (topk), two-shot (int4: all_to_all, then allgather), allgather of variable sizes
+(threshold), all_to_all (Zen's balanced scheme),
 send/receive (recursive doubling), multi-round (PowerSGD) and the dense sparse scheme.
 
 Every survivor must raise a CollectiveError naming the collective, the bucket and the step within
@@ -37,7 +38,8 @@ PG_TIMEOUT_S = 2.0
 FAMILIES = {
     "allreduce": ({"compressor": "fp16"}, "allreduce"),
     "vote": ({"compressor": "signsgd"}, "allreduce"),
-    "allgather": ({"compressor": "qsgd"}, "allgather"),
+    "allgather": ({"compressor": "topk"}, "allgather"),
+    "two_shot": ({"compressor": "int4"}, "all_to_all"),
     "allgather_sizes": ({"compressor": "threshold", "compressor_args": {"threshold": 0.01}}, "allgather"),
     "all_to_all": ({"compressor": "topk", "sparse_scheme": "balanced"}, "all_to_all"),
     "sendrecv": ({"compressor": "topk", "sparse_scheme": "recursive-doubling"}, "sendrecv"),
@@ -50,6 +52,7 @@ FAST = {
     ("allreduce", "kill_mid_backward"),
     ("vote", "kill_before_step"),
     ("allgather", "stall"),
+    ("two_shot", "kill_mid_backward"),
     ("allgather_sizes", "kill_mid_backward"),
     ("all_to_all", "forward_error"),
     ("sendrecv", "kill_mid_backward"),

@@ -38,7 +38,7 @@ GROUPS = [
     ((0,), "topk:ratio=0.1:scheme=auto"),
 ]
 # (codec, collective, feedback) each group must report having run; the last also a sparse scheme.
-EXECUTED = [("none", "allreduce", "none"), ("fp16", "allgather", "none"), ("qsgd", "allgather", "none")]
+EXECUTED = [("none", "allreduce", "none"), ("fp16", "allgather", "none"), ("qsgd", "two-shot", "none")]
 EXECUTED += [("topk", "allgather", "ef")]
 # (compressor, its arguments, error feedback, the same as a plan's strategy)
 UNIFORM = [
