@@ -127,6 +127,15 @@ def test_summary_counts_steady_steps_and_finds_time_to_target():
     assert ddp["breakdown_s"]["compression"] is None
 
 
+def test_the_reference_curve_reports_its_noise_and_its_fall_over_the_last_quarter():
+    options = train.BenchOptions(strategies=("ddp",), steps=20)
+    raw = _raw("ddp", 1.0, [3.0, 2.0, 1.5, 1.25, 1.0])
+    raw["evals"][-1]["loss_se"] = 0.01
+    curve = train.summarize([raw], {}, options)["meta"]["reference_curve"]
+    # Step 15 (at 75% of 20) had 1.25; the final 1.0: a fall of 25%.
+    assert curve == {"final_loss": 1.0, "final_se": 0.01, "last_quarter_fall": pytest.approx(0.25)}
+
+
 def test_a_run_that_never_reaches_the_target_has_no_time_to_target():
     options = train.BenchOptions(strategies=("ddp", "signsgd"), steps=20)
     raw = [_raw("ddp", 1.0, [3.0, 2.0, 1.0]), _raw("signsgd", 0.5, [3.0, 2.5, 2.0])]

@@ -12,7 +12,7 @@ from torch import nn
 
 from gradsync import workloads
 from gradsync.workloads import corpus
-from gradsync.workloads.base import epoch_indices, shard_bounds
+from gradsync.workloads.base import epoch_indices, flat_cross_entropy, shard_bounds
 
 # Small options per workload, so the whole file runs in seconds; every registered workload needs
 # an entry (test_every_workload_has_small_options).
@@ -221,6 +221,19 @@ def test_evaluate_runs_without_grad_in_eval_mode_and_restores_the_mode(name: str
     probe.eval()
     w.evaluate(probe, 0, 1)
     assert not any(m.training for m in probe.modules())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_evaluate_sums_the_squared_losses_for_the_standard_error(name: str) -> None:
+    w = small(name)
+    model = w.model()
+    sums = w.evaluate(model, 0, 1)
+    inputs, targets = w.heldout_samples(torch.arange(w.heldout_size))
+    with torch.no_grad():
+        losses = flat_cross_entropy(model(inputs), targets, reduction="none").double()
+    assert sums["count"] == losses.numel()
+    assert sums["loss_sum"] == pytest.approx(float(losses.sum()), rel=1e-9)
+    assert sums["loss_sq_sum"] == pytest.approx(float(losses.square().sum()), rel=1e-9)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -38,6 +38,16 @@ def conditions(document: dict[str, Any]) -> str:
     measured = network.get("measured_bits_per_s")
     probe = f"; an allreduce probe measured {measured / 1e9:.3f} Gbit/s bus bandwidth" if measured else ""
     target = meta["target_loss"]
+    curve = meta.get("reference_curve") or {}
+    noise = ""
+    if curve.get("final_se"):
+        noise = (
+            f" DDP's final held-out loss {curve['final_loss']:.4f} has a standard error of "
+            f"{curve['final_se']:.4f} over the held-out predictions: the tolerance is "
+            f"{meta['tolerance'] * curve['final_loss'] / curve['final_se']:.1f} of them."
+        )
+    if curve.get("last_quarter_fall") is not None:
+        noise += f" Over its last quarter of steps DDP's loss fell {100 * curve['last_quarter_fall']:.1f}%."
     return (
         f"{meta['workload_description']}; {options['world_size']} ranks, {options['steps']} steps, "
         f"{options['threads']} torch thread(s) per rank, on {meta['machine']['cores']} cores. "
@@ -49,6 +59,7 @@ def conditions(document: dict[str, Any]) -> str:
         + (
             f"Target: DDP's final eval loss x (1 + {meta['tolerance']:g}) = {target:.4f}; time to target "
             "is training wall-clock time (evaluations excluded) at the first evaluation at or below it."
+            + noise
             if target is not None
             else "No DDP run, so no time-to-target."
         )

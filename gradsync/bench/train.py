@@ -196,8 +196,28 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
             run_["step_speedup"] = base["step_median_s"] / run_["step_median_s"]
             ttt, base_ttt = run_["time_to_target_s"], base["time_to_target_s"]
             run_["time_to_target_speedup"] = base_ttt / ttt if ttt and base_ttt else None
-    meta = {**meta, "steady_from": options.steady_from, "target_loss": target, "tolerance": options.tolerance}
+    meta = {
+        **meta,
+        "steady_from": options.steady_from,
+        "target_loss": target,
+        "tolerance": options.tolerance,
+        "reference_curve": _curve(reference["evals"]) if reference else None,
+    }
     return {"meta": meta, "runs": runs}
+
+
+def _curve(evals: list[dict[str, Any]]) -> dict[str, float | None]:
+    """How settled the reference's held-out curve is, and how noisy its last point: the loss's
+    standard error over held-out predictions, and its fall over the last quarter of the steps."""
+    final = evals[-1]
+    quarter = next((e for e in evals if e["step"] >= 0.75 * final["step"]), final)
+    return {
+        "final_loss": final["loss"],
+        "final_se": final.get("loss_se"),
+        "last_quarter_fall": (quarter["loss"] - final["loss"]) / final["loss"]
+        if quarter is not final
+        else None,
+    }
 
 
 # -- running one strategy --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ on stdout (the runner's progress bar) and writes the run's measurements to the s
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -103,7 +104,11 @@ def _evaluate(
     totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(totals)
     total = dict(zip(keys, totals.tolist(), strict=True))
-    point = {"step": step, "wall_s": wall_s, "loss": total["loss_sum"] / total["count"]}
+    mean = total["loss_sum"] / total["count"]
+    variance = max(0.0, total["loss_sq_sum"] / total["count"] - mean**2)
+    # The mean's standard error over held-out predictions: the noise floor of a loss comparison
+    # (a bound: strategies evaluated on the same set differ by less than independent draws would).
+    point = {"step": step, "wall_s": wall_s, "loss": mean, "loss_se": math.sqrt(variance / total["count"])}
     if "correct" in total:
         point["accuracy"] = total["correct"] / total["count"]
     return point

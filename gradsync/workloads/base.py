@@ -183,8 +183,9 @@ class Workload(abc.ABC):
         return flat_cross_entropy(model(inputs), targets)
 
     def evaluate(self, model: nn.Module, rank: int, world_size: int) -> dict[str, float]:
-        """Sums over rank's disjoint shard of the held-out set: loss_sum, count (predictions)
-        and, for classifiers, correct. Sum them over ranks, then divide by the summed count.
+        """Sums over rank's disjoint shard of the held-out set: loss_sum, loss_sq_sum (of the
+        squared per-prediction losses, for the mean's standard error), count (predictions) and,
+        for classifiers, correct. Sum them over ranks, then divide by the summed count.
 
         Runs under no_grad in eval mode and restores the model's mode after. The number of
         forward passes differs between ranks when the shards do, so pass the bare module
@@ -193,7 +194,7 @@ class Workload(abc.ABC):
         world_size = check_int("world_size", world_size, 1, why="the number of ranks")
         check_int("rank", rank, 0, world_size - 1, why="ranks are 0 .. world_size - 1")
         lo, hi = shard_bounds(self.heldout_size, rank, world_size)
-        sums = {"loss_sum": 0.0, "count": 0.0}
+        sums = {"loss_sum": 0.0, "loss_sq_sum": 0.0, "count": 0.0}
         if self.counts_correct:
             sums["correct"] = 0.0
         was_training = model.training
@@ -204,7 +205,9 @@ class Workload(abc.ABC):
                     chunk = torch.arange(start, min(start + self.eval_chunk, hi))
                     inputs, targets = self.heldout_samples(chunk)
                     logits = model(inputs)
-                    sums["loss_sum"] += flat_cross_entropy(logits, targets, reduction="sum").item()
+                    losses = flat_cross_entropy(logits, targets, reduction="none").double()
+                    sums["loss_sum"] += losses.sum().item()
+                    sums["loss_sq_sum"] += losses.square().sum().item()
                     sums["count"] += targets.numel()
                     if self.counts_correct:
                         sums["correct"] += (logits.argmax(-1) == targets).sum().item()

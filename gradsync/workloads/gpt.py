@@ -108,7 +108,7 @@ class GptTiny(Workload):
         context: int = 64,
         batch_size: int = 2,  # sequences per rank: 4 ranks share 2 cores in the demo
         corpus_chars: int = 20_000_000,
-        eval_samples: int = 64,
+        eval_samples: int = 256,
     ) -> None:
         super().__init__(seed, batch_size)
         self.n_heads = check_int("n_heads", n_heads, 1, why="attention heads per layer")

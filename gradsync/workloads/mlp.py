@@ -73,7 +73,7 @@ class MlpWide(Workload):
         classes: int = 100,
         batch_size: int = 16,
         train_samples: int = 100_000,
-        eval_samples: int = 512,
+        eval_samples: int = 4096,
     ) -> None:
         super().__init__(seed, batch_size)
         self.width = check_int("width", width, 1, why="units per hidden layer")
