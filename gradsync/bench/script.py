@@ -25,10 +25,11 @@ from ..config import SyncConfig
 from . import report
 from .train import Network, follow_ranks, launch_ranks, master_port, quantile
 
+# torch's bf16 hook is left out: it refuses anything but CUDA with NCCL, or XPU (gloo on CPU
+# raises at register_comm_hook); name it in `syncs` on such machines.
 SYNCS = (
     "ddp",
     "torch-fp16",
-    "torch-bf16",
     "torch-powersgd",
     "gradsync",
     "gradsync-topk",
