@@ -66,9 +66,14 @@ def conditions(document: dict[str, Any]) -> str:
     )
 
 
+_CODE = ("gradsync", "examples", "Makefile", "pyproject.toml")  # what a measurement depends on
+
+
 def provenance() -> dict[str, Any]:
-    """What a published number needs beside it: the commit it was measured at (and whether the tree
-    had uncommitted changes), the machine, the command and the date."""
+    """What a published number needs beside it: the commit it was measured at (and whether the code
+    had uncommitted changes: the package, examples, Makefile and pyproject; results written into
+    docs/ by earlier benchmarks of the same round do not count), the machine, the command and the
+    date."""
     root = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
@@ -79,7 +84,7 @@ def provenance() -> dict[str, Any]:
 
     return {
         "commit": git("rev-parse", "HEAD").strip() or "unknown",
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip()),
+        "dirty": bool(git("status", "--porcelain", "--", *_CODE).strip()),
         "machine": machine(),
         "command": " ".join(["gradsync", *sys.argv[1:]]) if sys.argv else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

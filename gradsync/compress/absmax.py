@@ -8,7 +8,7 @@ import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from .base import Compressor, Payload, check_int
-from .scratch import padded_rows, scaled_rows
+from .scratch import padded_rows, scaled_rows, scaled_rows_into, scratch
 
 
 class Int8(Compressor):
@@ -58,8 +58,34 @@ class Int8(Compressor):
         return packed, 0
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        codes, offset = self._codes(payload, ctx)
+        return scaled_rows(codes, self.block_size, payload[1], offset).to(ctx[1]).reshape(ctx[0])
+
+    # Decoded straight into the caller's float32 tensor or a scratch one: a fresh full-size tensor
+    # costs as much in page faults as a copy. Other dtypes take the plain path, bit for bit as
+    # decompress (which computes in float32 and casts).
+
+    def decompress_into(self, out: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        if out.dtype != torch.float32:
+            return super().decompress_into(out, payload, ctx)
+        codes, offset = self._codes(payload, ctx)
+        scaled_rows_into(out.view(-1), codes, self.block_size, payload[1], offset)
+        return out
+
+    def add_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
+        if out.dtype != torch.float32:
+            return super().add_decoded_(out, payload, ctx)
+        out += self.decompress_into(_scratch_like(out), payload, ctx)
+
+    def sub_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
+        if out.dtype != torch.float32:
+            return super().sub_decoded_(out, payload, ctx)
+        out -= self.decompress_into(_scratch_like(out), payload, ctx)
+
+    def _codes(self, payload: Payload, ctx: Any) -> tuple[torch.Tensor, int]:
+        """The payload's codes, checked against the tensor it claims to be, and their offset."""
         packed, scales = payload
-        shape, dtype = ctx
+        shape, _ = ctx
         numel = shape.numel()
         num_blocks = -(-numel // self.block_size)
         if packed.numel() != packed_nbytes(numel, self.bits) or scales.numel() != num_blocks:
@@ -68,8 +94,7 @@ class Int8(Compressor):
                 f"tensor of {numel} elements needs {packed_nbytes(numel, self.bits)} and {num_blocks}: "
                 "it belongs to another tensor"
             )
-        codes, offset = self._unpack(packed, numel)
-        return scaled_rows(codes, self.block_size, scales, offset).to(dtype).reshape(shape)
+        return self._unpack(packed, numel)
 
     def payload_bytes(self, numel: int) -> int:
         return packed_nbytes(numel, self.bits) + 4 * -(-numel // self.block_size)
@@ -101,3 +126,7 @@ class Int4(Int8):
 
     def _unpack(self, packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, int]:
         return unpack_bits(packed, self.bits, numel), self.levels()
+
+
+def _scratch_like(out: torch.Tensor) -> torch.Tensor:
+    return scratch("absmax-decoded", out.numel(), out.dtype, out.device).view(out.shape)

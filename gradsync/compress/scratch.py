@@ -55,6 +55,21 @@ def magnitude(flat: torch.Tensor) -> torch.Tensor:
     return torch.abs(flat, out=scratch("magnitude", flat.numel(), flat.dtype, flat.device))
 
 
+def scaled_rows_into(
+    out: torch.Tensor, codes: torch.Tensor, row_size: int, scales: torch.Tensor, offset: float = 0
+) -> torch.Tensor:
+    """scaled_rows written into `out` (1-D, codes.numel() elements, any float dtype): no fresh
+    tensor. Full rows broadcast their scale; the short last row, if any, is done on its own."""
+    numel = codes.numel()
+    full = numel // row_size * row_size
+    if full:
+        rows = out[:full].view(-1, row_size)
+        rows.copy_(codes[:full].view(-1, row_size)).sub_(offset).mul_(scales[: full // row_size].unsqueeze(1))
+    if full < numel:
+        out[full:].copy_(codes[full:]).sub_(offset).mul_(scales[-1])
+    return out
+
+
 def scaled_rows(codes: torch.Tensor, row_size: int, scales: torch.Tensor, offset: float = 0) -> torch.Tensor:
     """(codes - offset) * scale of their row, as a fresh float32 tensor of codes.numel() elements.
 
