@@ -47,7 +47,7 @@ def main(
         "1gbit",
         "0.2ms",
         True,
-        report.table,
+        lambda document: report.table(document) + "\n" + report.headline(document),
         report.write,
         OUT,
     )

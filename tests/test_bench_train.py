@@ -287,3 +287,19 @@ def test_a_failed_run_ends_with_its_message_and_exit_code_1(monkeypatch, capsys)
     assert code == 1
     err = capsys.readouterr().err
     assert "gradsync: error: strategy 'ddp'" in err and "boom" in err
+
+
+def test_the_headline_says_how_much_sooner_each_run_reached_ddps_loss_or_that_it_did_not():
+    options = train.BenchOptions(strategies=("ddp", "topk", "signsgd"), steps=20)
+    raw = [
+        _raw("ddp", 1.0, [3.0, 2.0, 1.0]),
+        _raw("topk", 0.25, [3.0, 2.0, 1.01], 0.05),
+        _raw("signsgd", 0.5, [3.0, 2.5, 2.0]),
+    ]
+    document = train.summarize(raw, {}, options)
+    assert document["meta"]["reference"] == "ddp"
+    topk, signsgd = report.headline(document).splitlines()
+    # DDP reaches its own final loss at step 10 (10 s); top-k at step 10 too, at 0.25 s a step.
+    assert "after 2.5 s" in topk and "DDP's 10.0 s" in topk and "4.00x sooner" in topk
+    assert "did not reach" in signsgd and "2.0000" in signsgd
+    assert report.headline(train.summarize(raw[1:], {}, options)) == "No DDP run, so no time to DDP's loss."

@@ -31,6 +31,37 @@ def table(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\n" + conditions(document)
 
 
+def headline(document: dict[str, Any]) -> str:
+    """One sentence per run against DDP: when it reached DDP's final held-out loss (x 1 + the
+    tolerance), in training time against DDP's own, or that it did not."""
+    runs = document["runs"]
+    target = document["meta"]["target_loss"]
+    reference = next((r for r in runs if r["strategy"] == document["meta"].get("reference")), None)
+    if reference is None or target is None:
+        return "No DDP run, so no time to DDP's loss."
+    lines = []
+    for r in runs:
+        if r is reference:
+            continue
+        if r["time_to_target_s"] is None:
+            lines.append(
+                f"{r['label']}: did not reach DDP's held-out loss {target:.4f} in {len(r['step_s'])} steps "
+                f"(its final: {r['final_loss']:.4f})."
+            )
+        elif reference["time_to_target_s"] is None:  # DDP's noisy curve ended above its own target
+            lines.append(
+                f"{r['label']}: reached {target:.4f} after {r['time_to_target_s']:.1f} s; DDP did not."
+            )
+        else:
+            lines.append(
+                f"{r['label']}: reached DDP's held-out loss {target:.4f} after {r['time_to_target_s']:.1f} s "
+                f"of training against DDP's {reference['time_to_target_s']:.1f} s: "
+                f"{r['time_to_target_speedup']:.2f}x sooner (step {r['steps_to_target']}; DDP's "
+                f"step {reference['steps_to_target']})."
+            )
+    return "\n".join(lines)
+
+
 def conditions(document: dict[str, Any]) -> str:
     """What the table was measured on, in a few sentences."""
     meta = document["meta"]

@@ -199,6 +199,7 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
     meta = {
         **meta,
         "steady_from": options.steady_from,
+        "reference": reference["strategy"] if reference else None,
         "target_loss": target,
         "tolerance": options.tolerance,
         "reference_curve": _curve(reference["evals"]) if reference else None,
