@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .comm import TorchComm
+from .compress.base import check_int
 from .config import AUTO_PLAN, SyncConfig
 from .ddp import hook
 from .plan import Plan
@@ -45,6 +46,7 @@ def register(model: DistributedDataParallel, config: SyncConfig | None = None) -
         config = SyncConfig()
     if not isinstance(config, SyncConfig):
         raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
+    check_int("warmup_steps", config.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
     comm = TorchComm(model.process_group)
     if config.plan == AUTO_PLAN:
         _refuse_sparse_gradients(model)

@@ -57,8 +57,9 @@ class SyncConfig:
     # compressed group (each group's codec must accept it).
     error_feedback: str = "auto"
     error_feedback_args: Mapping[str, Any] = field(default_factory=dict)
-    # Steps of plain fp32 allreduce before compressing; >= 2, since DDP rebuilds its buckets
-    # after the first step and compression state is kept per bucket.
+    # Steps of plain fp32 allreduce before compressing. The DDP hook needs >= 2 (register() checks),
+    # since DDP rebuilds its buckets after the first step and compression state is kept per
+    # bucket; gradsync.DiLoCo's outer syncs may compress from the first (0).
     warmup_steps: int = 10
     # Buckets with fewer elements go uncompressed (fp32 allreduce): for them latency, not
     # bandwidth, dominates, and compressing only costs time. Not applied to a plan's groups: the
@@ -111,7 +112,7 @@ class SyncConfig:
         for name in self._codecs():
             self._check_feedback(name)
             feedback.build(self.feedback_for(name), **self.error_feedback_args)
-        check_int("warmup_steps", self.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
+        check_int("warmup_steps", self.warmup_steps, 0, why="a count of steps")
         check_int("min_compress_numel", self.min_compress_numel, 0, why="a count of elements")
         check_int("seed", self.seed, 0, _SEED_BOUND, why="a non-negative integer")
         schemes = ("auto", *sparse.names())

@@ -229,7 +229,7 @@ class SyncState:
         call it on every rank. load_state_dict() takes each rank's own part of it."""
         return {
             "format": checkpoint.FORMAT,
-            "ranks": allgather_object(self._comm(), self.state_dict(), _device(self)),
+            "ranks": allgather_object(self._comm(), self.state_dict(), collective_device(self._comm())),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -242,7 +242,7 @@ class SyncState:
         if mine is not None:
             problems += self._state_problems(mine)
         reports = allgather_object(
-            comm, (problems, mine["step"] if mine and not problems else None), _device(self)
+            comm, (problems, mine["step"] if mine and not problems else None), collective_device(comm)
         )
         refused = {rank: found for rank, (found, _) in enumerate(reports) if found}
         steps = {rank: step for rank, (_, step) in enumerate(reports)}
@@ -517,7 +517,7 @@ class SyncState:
         if len(set(fingerprints)) > 1:
             raise ValueError(
                 "gradsync: the ranks were given different SyncConfigs, so their gradients cannot be "
-                f"exchanged:\n{_describe_differences(fingerprints)}\nPass the same SyncConfig on every rank."
+                f"exchanged:\n{describe_differences(fingerprints)}\nPass the same SyncConfig on every rank."
             )
 
     def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
@@ -558,9 +558,8 @@ def _embedding_params(model: nn.Module) -> set[int]:
     return {index for index, p in enumerate(model.parameters()) if id(p) in tables}
 
 
-def _device(state: SyncState) -> torch.device:
-    """Where this state's small collectives (checks, checkpoints) run: the model's device."""
-    comm = state._comm()
+def collective_device(comm: Comm) -> torch.device:
+    """Where small collectives (checks, checkpoints) over `comm` run: the model's device."""
     group = getattr(comm, "group", None)
     if group is not None and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -572,7 +571,7 @@ def _registry_name(table: dict[str, type], obj: object) -> str:
     return next(name for name, cls in table.items() if type(obj) is cls)
 
 
-def _describe_differences(fingerprints: Sequence[str]) -> str:
+def describe_differences(fingerprints: Sequence[str]) -> str:
     """Ranks grouped by config; each group names the fields where it differs from the most common."""
     groups: dict[str, list[int]] = {}
     for rank, fingerprint in enumerate(fingerprints):

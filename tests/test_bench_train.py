@@ -34,6 +34,22 @@ def test_a_named_compressor_runs_with_its_own_defaults_as_a_user_gets_them():
     assert strategies.parse("auto").config.compressor == gradsync.SyncConfig().compressor
 
 
+def test_diloco_takes_its_options_and_the_outer_gradients_codec():
+    s = strategies.parse("diloco:sync_every=20:fragments=2:delay=1:compressor=int4:block_size=64")
+    assert s.kind == "diloco" and not s.wraps_in_ddp and s.warmup_steps == 0
+    assert s.options == {
+        "sync_every": 20,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "fragments": 2,
+        "delay": 1,
+        "alpha": 0.0,
+    }
+    assert s.config.compressor == "int4" and dict(s.config.compressor_args) == {"block_size": 64}
+    assert s.label == "gradsync DiLoCo H=20, 2 fragments, delay 1 (int4 block_size=64)"
+    assert strategies.parse("diloco:outer_lr=1:outer_momentum=0").label == "gradsync Local SGD H=50 (fp32)"
+
+
 def test_gradsync_options_reach_the_config():
     s = strategies.parse("qsgd:levels=4:ef=ef:warmup=5")
     assert s.config.compressor_args["levels"] == 4
@@ -49,6 +65,8 @@ def test_gradsync_options_reach_the_config():
         ("torch-powersgd:foo=1", ["unknown option", "rank"]),
         ("topk:ratio", ["not key=value"]),
         ("topk:ratio=2", ["ratio"]),
+        ("diloco:sync_every=4:delay=4", ["delay=4", "[0, 3]"]),
+        ("diloco:compressor=nope", ["nope"]),
     ],
 )
 def test_bad_strategies_are_refused_with_the_reason(text, words):

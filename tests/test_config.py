@@ -26,14 +26,13 @@ def test_defaults_are_valid_and_build_a_compressor_and_feedback() -> None:
     assert isinstance(cfg.build_feedback(), feedback.Feedback)
 
 
-@pytest.mark.parametrize("warmup_steps", [1, 0, -3])
-def test_warmup_below_two_raises_value_error_with_the_value_and_range(warmup_steps: int) -> None:
+@pytest.mark.parametrize("warmup_steps", [-1, -3])
+def test_negative_warmup_raises_value_error_with_the_value_and_range(warmup_steps: int) -> None:
     with pytest.raises(ValueError) as excinfo:
         SyncConfig(warmup_steps=warmup_steps)
     message = str(excinfo.value)
     assert f"warmup_steps={warmup_steps}" in message
-    assert "[2, inf]" in message
-    assert "DDP rebuilds its buckets" in message  # the reason, not only the constraint
+    assert "[0, inf]" in message
 
 
 @pytest.mark.parametrize(
@@ -151,8 +150,8 @@ def test_arguments_are_read_only_and_copied_from_the_callers_dict() -> None:
 def test_replace_makes_a_new_validated_config() -> None:
     cfg = SyncConfig(compressor="topk", compressor_args={"ratio": 0.1})
     assert dataclasses.replace(cfg, warmup_steps=5).warmup_steps == 5
-    with pytest.raises(ValueError, match="warmup_steps=1"):
-        dataclasses.replace(cfg, warmup_steps=1)
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        dataclasses.replace(cfg, warmup_steps=-1)
 
 
 def make_config(**overrides: Any) -> SyncConfig:

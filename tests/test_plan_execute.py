@@ -148,6 +148,16 @@ def test_plan_auto_registers_a_planner_that_has_not_planned_yet(one_rank: None) 
     assert state.stats()["auto"]["adopted_at_step"] is None
 
 
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+def test_register_refuses_a_warmup_ddp_cannot_take_with_the_reason(one_rank: None, warmup_steps: int) -> None:
+    model = DistributedDataParallel(Net())
+    with pytest.raises(ValueError) as excinfo:
+        gradsync.register(model, SyncConfig(warmup_steps=warmup_steps))
+    message = str(excinfo.value)
+    assert f"warmup_steps={warmup_steps}" in message and "[2, inf]" in message
+    assert "DDP rebuilds its buckets" in message  # the reason, not only the constraint
+
+
 class WithUnused(Net):
     def __init__(self) -> None:
         super().__init__()

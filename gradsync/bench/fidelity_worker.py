@@ -65,9 +65,7 @@ def _time_steps(spec: dict[str, Any], text: str, rank: int, world_size: int) -> 
     time per step."""
     workload = workloads.build(spec["workload"], seed=spec["seed"], **spec["workload_options"])
     strategy = strategies.parse(text)
-    model = DistributedDataParallel(workload.model(), gradient_as_bucket_view=True, **strategy.ddp_options)
-    strategies.Installed(strategy, model)
-    optimizer = workload.recommended_optimizer(model.parameters())
+    model, optimizer, _ = strategies.install(strategy, workload.model(), workload.recommended_optimizer)
     seconds = []
     dist.barrier()
     for i in range(spec["warmup"] + spec["steps"]):

@@ -85,7 +85,8 @@ def conditions(document: dict[str, Any]) -> str:
         f"Network: {network['description']}{probe}. Step times and bytes count the "
         f"{options['steps'] - meta['steady_from']} steps from step {meta['steady_from']} on (after the "
         "fp32 warm-up). "
-        "MB sent/step: bytes each rank hands to the network per step by the algorithm's count; wire "
+        "samples/s and MB sent/step are means over those steps; MB sent/step: bytes each rank hands "
+        "to the network per step by the algorithm's count; wire "
         "MB/step: bytes its interface transmitted (testbed only, TCP/IP included). "
         + (
             f"Target: DDP's final eval loss x (1 + {meta['tolerance']:g}) = {target:.4f}; time to target "

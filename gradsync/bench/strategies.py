@@ -12,6 +12,10 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
   dense buckets as they are and an embedding's sparse gradient by Zen's balanced scheme).
   Each takes the compressor's own defaults: what a user gets who names it (`int4`, gradsync's
   default, is SyncConfig()).
+- `diloco[:key=value...]`: no DDP: gradsync.DiLoCo on the plain model and the workload's own
+  optimizer. Keys: DiLoCo's sync_every (default 50), outer_lr, outer_momentum, fragments, delay
+  and alpha; compressor (of the outer gradient, default none) and ef; any other key is the
+  compressor's argument. Evaluated on the global parameters.
 - `auto[:compressor=NAME:key=value...]`: gradsync with SyncConfig(plan="auto"): it measures the
   first steps, plans per group among fp32, fp16, bf16 and NAME (default SyncConfig's) with its
   arguments, confirms the best candidates on real steps and adopts the fastest measured.
@@ -23,17 +27,31 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import compress, registry, tuner
 from ..api import register
 from ..config import AUTO_PLAN, NO_COMPRESSION, SyncConfig
+from ..diloco import DiLoCo, check_options
 from ..exchange import allreduce_sent_nbytes
 
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
+DILOCO = "diloco"
+_DILOCO_OPTIONS = {
+    "sync_every": 50,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "fragments": 1,
+    "delay": 0,
+    "alpha": 0.0,
+}
 _POWERSGD_OPTIONS = {"rank": 1, "min_rate": 2.0}  # torch's own defaults
 WARMUP_STEPS = SyncConfig().warmup_steps
 
@@ -43,9 +61,14 @@ class Strategy:
     """One way to exchange gradients: a baseline, or gradsync with a SyncConfig."""
 
     text: str  # as given, e.g. "topk:ratio=0.001"
-    kind: str  # "ddp", "torch-fp16", "torch-powersgd" or "gradsync"
+    kind: str  # "ddp", "torch-fp16", "torch-powersgd", "gradsync" or "diloco"
     options: dict[str, Any]
-    config: SyncConfig | None = None  # gradsync only
+    config: SyncConfig | None = None  # gradsync and diloco (how the outer gradient is sent)
+
+    @property
+    def wraps_in_ddp(self) -> bool:
+        """Whether the model is trained under DDP: all but DiLoCo, which syncs the plain model."""
+        return self.kind != DILOCO
 
     @property
     def ddp_options(self) -> dict[str, Any]:
@@ -63,6 +86,8 @@ class Strategy:
         confirms in it), PowerSGD's start step."""
         if self.config is None:
             return WARMUP_STEPS
+        if self.kind == DILOCO:
+            return 0
         if self.config.plan == AUTO_PLAN:
             return tuner.warmup_steps(self.config)
         return self.config.warmup_steps
@@ -78,6 +103,12 @@ class Strategy:
             return f"torch PowerSGD rank {self.options['rank']}"
         assert self.config is not None
         args = ", ".join(f"{k}={v}" for k, v in self.config.compressor_args.items())
+        if self.kind == DILOCO:
+            o = self.options
+            name = "Local SGD" if (o["outer_lr"], o["outer_momentum"]) == (1.0, 0.0) else "DiLoCo"
+            streaming = f", {o['fragments']} fragments, delay {o['delay']}" if o["fragments"] > 1 else ""
+            codec = "fp32" if self.config.compressor == NO_COMPRESSION else self.config.compressor
+            return f"gradsync {name} H={o['sync_every']}{streaming} ({codec}" + (f" {args})" if args else ")")
         if self.config.plan == AUTO_PLAN:
             return f"gradsync plan=auto ({self.config.compressor}" + (f" {args})" if args else ")")
         feedback = self.config.feedback_name
@@ -110,6 +141,8 @@ def parse(text: str) -> Strategy:
         if not isinstance(merged["rank"], int) or merged["rank"] < 1:
             raise ValueError(f"strategy {text!r}: rank={merged['rank']!r} must be an integer >= 1")
         return Strategy(text, name, merged)
+    if name == DILOCO:
+        return _diloco(text, options)
     plan = None
     if name == AUTO_PLAN:
         plan, name = AUTO_PLAN, options.pop("compressor", SyncConfig().compressor)
@@ -135,6 +168,21 @@ def parse(text: str) -> Strategy:
     return Strategy(text, "gradsync", options, config)
 
 
+def _diloco(text: str, options: dict[str, Any]) -> Strategy:
+    outer = {key: options.pop(key, default) for key, default in _DILOCO_OPTIONS.items()}
+    try:
+        check_options(**outer)
+        config = SyncConfig(
+            compressor=options.pop("compressor", NO_COMPRESSION),
+            error_feedback=options.pop("ef", "auto"),
+            compressor_args=options,
+            warmup_steps=0,
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"strategy {text!r}: {err}") from err
+    return Strategy(text, DILOCO, outer, config)
+
+
 def parse_list(text: str) -> list[Strategy]:
     """Comma-separated strategies, each once."""
     strategies = [parse(item) for item in text.split(",") if item.strip()]
@@ -147,15 +195,33 @@ def parse_list(text: str) -> list[Strategy]:
     return strategies
 
 
-class Installed:
-    """A strategy installed on one rank's DDP model; counts the bytes it puts on the wire."""
+def install(
+    strategy: Strategy,
+    module: nn.Module,
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+) -> tuple[nn.Module, torch.optim.Optimizer, Installed]:
+    """The model as `strategy` trains it (under DDP, or plain for DiLoCo), its optimizer from
+    `make_optimizer`, and the strategy installed on them."""
+    model: nn.Module = module
+    if strategy.wraps_in_ddp:
+        # Gradients as views into DDP's buckets save two copies of every gradient per step, for
+        # every strategy alike; it is DDP's own recommended setting for speed.
+        model = DistributedDataParallel(module, gradient_as_bucket_view=True, **strategy.ddp_options)
+    optimizer = make_optimizer(model.parameters())
+    return model, optimizer, Installed(strategy, model, optimizer)
 
-    def __init__(self, strategy: Strategy, model: DistributedDataParallel) -> None:
+
+class Installed:
+    """A strategy installed on one rank's model and optimizer; counts the bytes it puts on the wire."""
+
+    def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.strategy = strategy
-        self.world_size = model.process_group.size() if model.process_group else 1
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.gradsync = None
         self.powersgd = None
+        self.diloco = None
+        self._counted = {"sent_nbytes": 0, "seconds": 0.0}  # DiLoCo's totals as of the last step
         if strategy.kind == "torch-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -172,11 +238,24 @@ class Installed:
             model.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
         elif strategy.kind == "gradsync":
             self.gradsync = register(model, strategy.config)
+        elif strategy.kind == DILOCO:
+            config = strategy.config
+            assert config is not None
+            self.diloco = DiLoCo(
+                model,
+                optimizer,
+                compressor=config.compressor,
+                compressor_args=config.compressor_args,
+                error_feedback=config.error_feedback,
+                **strategy.options,
+            )
         self._powersgd_counted = 0
 
     def sent_nbytes(self, step: int) -> int:
         """Bytes this rank sent in `step` (ring algorithms; no TCP/IP headers). Call once per step."""
         fp32 = allreduce_sent_nbytes(4 * self.numel, self.world_size)
+        if self.diloco is not None:
+            return self._diloco_since_last("sent_nbytes")
         if self.gradsync is not None:
             record = self._gradsync_step(step)
             return record["sent_nbytes"] if record else 0
@@ -192,6 +271,8 @@ class Installed:
 
     def compression_seconds(self, step: int) -> float | None:
         """gradsync's own compress + decompress time in `step`; None for hooks that do not time it."""
+        if self.diloco is not None:
+            return self._diloco_since_last("seconds")
         if self.gradsync is None:
             return None
         record = self._gradsync_step(step)
@@ -202,3 +283,12 @@ class Installed:
         assert self.gradsync is not None
         newest = self.gradsync.stats()["last_step"]
         return newest if newest is not None and newest["step"] == step else None
+
+    def _diloco_since_last(self, what: str) -> float:
+        """DiLoCo's bytes sent, or compress + decompress seconds, since the last call: its syncs
+        finish within inner steps (or `delay` steps later), not per DDP step."""
+        assert self.diloco is not None
+        total = self.diloco.stats()["total"]
+        now = total["sent_nbytes"] if what == "sent_nbytes" else total["compress_s"] + total["decompress_s"]
+        new, self._counted[what] = now - self._counted[what], now
+        return new

@@ -156,7 +156,8 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
 def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOptions) -> dict[str, Any]:
     """Per-run statistics and time-to-target from rank 0's raw measurements. Pure.
 
-    Step times and bytes count steady steps only (from `options.steady_from`). The target is the
+    Step times and bytes (means; the step's median and p90 too) count steady steps only (from
+    `options.steady_from`). The target is the
     DDP run's final held-out loss times (1 + tolerance); a run reaches it at its first evaluation
     at or below it, and its time-to-target is the training wall-clock time of that evaluation.
     """
@@ -175,8 +176,11 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
                 **r,
                 "step_median_s": step_median,
                 "step_p90_s": quantile(steady, 0.9),
-                "samples_per_s": r["samples_per_step"] / step_median,
-                "bytes_per_step": statistics.median(r["sent_nbytes"][options.steady_from :]),
+                # Throughput and bytes are means: a strategy that syncs every H steps (DiLoCo) has
+                # a median step of compute alone and a median of no bytes at all.
+                "step_mean_s": statistics.fmean(steady),
+                "samples_per_s": r["samples_per_step"] / statistics.fmean(steady),
+                "bytes_per_step": statistics.fmean(r["sent_nbytes"][options.steady_from :]),
                 "final_loss": r["evals"][-1]["loss"],
                 "final_accuracy": r["evals"][-1].get("accuracy"),
                 "breakdown_s": {

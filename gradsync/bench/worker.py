@@ -8,6 +8,8 @@ on stdout (the runner's progress bar) and writes the run's measurements to the s
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 import os
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import tuner, workloads
@@ -32,16 +35,14 @@ def main(spec_path: str) -> int:
 def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """Train spec["steps"] steps and return what rank 0 reports; every rank must call it."""
     workload = workloads.build(spec["workload"], seed=spec["seed"], **spec["workload_options"])
-    # Gradients as views into DDP's buckets save two copies of every gradient per step, for every
-    # strategy alike; it is DDP's own recommended setting for speed.
     strategy = strategies.parse(spec["strategy"])
-    model = DistributedDataParallel(workload.model(), gradient_as_bucket_view=True, **strategy.ddp_options)
-    installed = strategies.Installed(strategy, model)
-    optimizer = workload.recommended_optimizer(model.parameters())
+    model, optimizer, installed = strategies.install(
+        strategy, workload.model(), workload.recommended_optimizer
+    )
     steps, steady_from = spec["steps"], spec["steady_from"]
     tx = TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
 
-    evals = [_evaluate(workload, model, rank, world_size, step=0, wall_s=0.0)]
+    evals = [_evaluate(workload, _held_out_model(model, installed), rank, world_size, step=0, wall_s=0.0)]
     step_s: list[float] = []
     sent_nbytes: list[int] = []
     compression_s: list[float | None] = []
@@ -64,8 +65,11 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         if rank == 0:
             print(json.dumps({"step": step + 1, "step_s": elapsed, "loss": loss.item()}), flush=True)
         if (step + 1) % spec["eval_every"] == 0 or step + 1 == steps:
-            evals.append(_evaluate(workload, model, rank, world_size, step=step + 1, wall_s=wall_s))
+            held_out = _held_out_model(model, installed)
+            evals.append(_evaluate(workload, held_out, rank, world_size, step=step + 1, wall_s=wall_s))
     wire_bytes = tx.per_step(steps - steady_from)
+    if installed.diloco is not None:
+        installed.diloco.close()  # the compute-only probe below must not sync
     compute_s = _compute_only(workload, model, optimizer, rank, world_size, steps, spec["probe_steps"])
     return {
         "strategy": spec["strategy"],
@@ -90,16 +94,29 @@ def _plan_made(installed: strategies.Installed) -> dict[str, Any]:
     return {"plan": state.plan.to_dict() if state.plan else None, "auto": state.stats()["auto"]}
 
 
+def _held_out_model(model: nn.Module, installed: strategies.Installed) -> nn.Module:
+    """The model evaluated: DDP's module; under DiLoCo a copy holding the global parameters (between
+    syncs each rank's own differ)."""
+    if installed.diloco is None:
+        return model.module
+    held_out = copy.deepcopy(model)
+    trainable = [p for p in held_out.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p, value in zip(trainable, installed.diloco.global_parameters(), strict=True):
+            p.copy_(value)
+    return held_out
+
+
 def _evaluate(
     workload: workloads.Workload,
-    model: DistributedDataParallel,
+    model: nn.Module,
     rank: int,
     world_size: int,
     step: int,
     wall_s: float,
 ) -> dict[str, Any]:
     """The held-out metric over all ranks' shards: each rank evaluates its own, sums are reduced."""
-    sums = workload.evaluate(model.module, rank, world_size)
+    sums = workload.evaluate(model, rank, world_size)
     keys = sorted(sums)
     totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(totals)
@@ -116,7 +133,7 @@ def _evaluate(
 
 def _compute_only(
     workload: workloads.Workload,
-    model: DistributedDataParallel,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     rank: int,
     world_size: int,
@@ -130,7 +147,7 @@ def _compute_only(
     """
     dist.barrier()
     seconds = []
-    with model.no_sync():
+    with model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext():
         for i in range(repeats):
             started = time.perf_counter()
             inputs, targets = workload.batch(first_step + i, rank, world_size)

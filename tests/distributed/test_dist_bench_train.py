@@ -16,6 +16,7 @@ _SMALL = {"width": 160, "depth": 2, "features": 32, "classes": 10, "batch_size":
 # The scheme is pinned: "auto" decides from timed rounds, and on a loaded machine it may send this
 # small model's payload dense (one round instead of two), which the byte checks below would not expect.
 TOPK = "topk:ratio=0.1:sparse=agsparse"
+DILOCO = "diloco:sync_every=4"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def document(tmp_path_factory: pytest.TempPathFactory) -> dict:
         workload="mlp-wide",
         workload_options=_SMALL,
         world_size=2,
-        strategies=("ddp", "torch-fp16", "torch-powersgd", TOPK),
+        strategies=("ddp", "torch-fp16", "torch-powersgd", TOPK, DILOCO),
         steps=16,
         eval_every=4,
         probe_steps=2,
@@ -37,7 +38,7 @@ def document(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_strategy_reports_its_measurements(document: dict):
     runs = {r["strategy"]: r for r in document["runs"]}
-    assert list(runs) == ["ddp", "torch-fp16", "torch-powersgd", TOPK]
+    assert list(runs) == ["ddp", "torch-fp16", "torch-powersgd", TOPK, DILOCO]
     for run in runs.values():
         assert len(run["step_s"]) == 16 and all(s > 0 for s in run["step_s"])
         assert [e["step"] for e in run["evals"]] == [0, 4, 8, 12, 16]
@@ -69,6 +70,10 @@ def test_bytes_per_step_follow_each_exchange(document: dict):
     assert runs["torch-fp16"]["bytes_per_step"] == ddp // 2
     assert runs["torch-powersgd"]["bytes_per_step"] < ddp / 2
     assert runs[TOPK]["bytes_per_step"] < ddp / 2
+    # DiLoCo sends DDP's fp32 allreduce once every 4 inner steps: after steps 4, 8, 12 and 16.
+    steady = range(document["meta"]["steady_from"], 16)
+    syncs = sum(1 for i in steady if (i + 1) % 4 == 0)
+    assert runs[DILOCO]["bytes_per_step"] == pytest.approx(ddp * syncs / len(steady))
     # gradsync's own timing of its codec is part of the breakdown; torch's hooks have none.
     assert runs[TOPK]["breakdown_s"]["compression"] > 0
     assert runs["ddp"]["breakdown_s"]["compression"] is None

@@ -1,0 +1,318 @@
+"""DiLoCo: sync rarely. Local SGD, DiLoCo and Streaming DiLoCo on a plain (not DDP) model.
+
+Every rank trains its own copy with its own inner optimizer; every `sync_every` inner steps the
+outer gradient (global parameters minus local ones) goes through the same path as the DDP hook's
+gradients (SyncState.sync: error memory, codec, collective, decode), and an outer optimizer
+(Nesterov momentum SGD, DiLoCo's defaults) steps the global parameters, which every rank loads.
+
+Streaming DiLoCo: the parameters are cut into `fragments`, synced at staggered inner steps; each
+fragment's exchange flies while the next `delay` inner steps run, and the new global fragment is
+mixed into the local one as alpha * local + (1 - alpha) * global.
+
+    outer = gradsync.DiLoCo(model, inner_optimizer, sync_every=50)
+    # the loop as usual: loss.backward(); inner_optimizer.step(); inner_optimizer.zero_grad()
+
+The global parameters are bit-identical on every rank after every sync: every rank decodes the
+same average and applies the same outer step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+
+from .comm import Comm, LocalComm, TorchComm, allgather_object
+from .compress.base import check_int, check_real
+from .config import NO_COMPRESSION, SyncConfig
+from .sync import SyncState, collective_device, describe_differences
+
+log = logging.getLogger("gradsync")
+
+FORMAT = 1  # state_dict's layout
+
+
+@dataclass
+class _Pending:
+    """A fragment's exchange in flight: its average is applied after inner step `due`."""
+
+    due: int
+    average: Future[torch.Tensor]
+
+
+class DiLoCo:
+    """Rare, compressed synchronisation of a plain model's parameters (see the module docstring).
+
+    Args:
+        model: the plain model every rank trains (not wrapped in DDP: DDP would average every step).
+        inner_optimizer: the user's optimizer over the model's parameters; each of its step() calls
+            is counted by a hook, and the `sync_every`-th one synchronises.
+        sync_every: inner steps between two syncs of a fragment (DiLoCo's H).
+        outer_lr, outer_momentum: the outer optimizer, SGD with Nesterov momentum (DiLoCo: 0.7 and
+            0.9). outer_lr=1 and outer_momentum=0 is Local SGD: the global parameters become the
+            average of the local ones.
+        compressor, compressor_args, error_feedback, error_feedback_args, seed: how the outer
+            gradient is sent, as in SyncConfig ("none": uncompressed allreduce).
+        fragments: parameter fragments synced at staggered steps (Streaming DiLoCo); 1: DiLoCo.
+        delay: inner steps a fragment's exchange may overlap before its result is applied.
+        alpha: weight of the local parameters when the new global ones are mixed in (0: replaced).
+        process_group: the ranks to average over (default: the world; a world of one without one).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        sync_every: int = 100,
+        *,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        compressor: str = NO_COMPRESSION,
+        compressor_args: Mapping[str, Any] | None = None,
+        error_feedback: str = "auto",
+        error_feedback_args: Mapping[str, Any] | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
+        seed: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                "gradsync.DiLoCo takes the plain model, not a DistributedDataParallel one: DDP would "
+                "average the gradients every step; pass model.module"
+            )
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._check_optimizer(inner_optimizer, params)
+        self.options = check_options(sync_every, outer_lr, outer_momentum, fragments, delay, alpha)
+        check_int("fragments", fragments, 1, len(params), why="at most one per trainable tensor of the model")
+        self.sync_every, self.delay, self.alpha = sync_every, delay, float(alpha)
+        # warmup_steps=0: unlike DDP's buckets, a fragment's layout is fixed from the first sync.
+        config = SyncConfig(
+            compressor=compressor,
+            compressor_args=compressor_args or {},
+            error_feedback=error_feedback,
+            error_feedback_args=error_feedback_args or {},
+            warmup_steps=0,
+            seed=seed,
+        )
+        comm: Comm = TorchComm(process_group) if dist.is_initialized() else LocalComm()
+        self._check_ranks_agree(comm, config)
+        self.sync_state = SyncState(config, comm, model)
+        self._params = params
+        self._broadcast_from_first(comm, process_group)
+        self._global = [p.detach().clone() for p in params]
+        self._outer = torch.optim.SGD(
+            self._global, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
+        )
+        self._fragments = _cut(params, fragments, sync_every)
+        self.step = 0  # inner steps taken
+        self.skipped = 0  # syncs skipped on every rank for a non-finite outer gradient
+        self._pending: dict[int, _Pending] = {}
+        self._handle = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+        log.info("gradsync DiLoCo on rank %d of %d: %s, %s", comm.rank, comm.world_size, self.options, config)
+
+    # -- the public surface -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop counting inner steps (remove the optimizer hook); an exchange in flight is awaited."""
+        self._handle.remove()
+        for index in sorted(self._pending):
+            self._pending[index].average.wait()
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """The global parameters, the same on every rank, in the order of the model's trainable
+        parameters: the model to evaluate or keep (between syncs the local ones differ per rank).
+        Read them; writing them changes the next outer gradient."""
+        return list(self._global)
+
+    def stats(self) -> dict[str, Any]:
+        """Inner steps, syncs and skipped syncs; bytes and seconds of the outer exchanges as
+        SyncState.stats() counts them (its "step" is the number of fragment syncs)."""
+        return {"inner_steps": self.step, "skipped_syncs": self.skipped, **self.sync_state.stats()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this rank's resumed run needs, besides the model and inner optimizer the user saves
+        (each rank's own: local parameters differ between syncs): the global parameters, the outer
+        optimizer, this rank's error memories and any exchange in flight, awaited. Save one file per
+        rank (or gather them: the error memories are each rank's own)."""
+        return {
+            "format": FORMAT,
+            "step": self.step,
+            "skipped": self.skipped,
+            "options": dict(self.options),
+            "global": [g.clone() for g in self._global],
+            "outer_optimizer": self._outer.state_dict(),
+            "pending": {
+                index: {"due": p.due, "average": p.average.wait().clone()}
+                for index, p in self._pending.items()
+            },
+            "sync": self.sync_state.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what state_dict() saved. A collective: call it on every rank. Refused on every
+        rank alike where a state is of other options, another model or another step than the other
+        ranks' (the error memories are checked by SyncState.load_state_dict)."""
+        problems = self._state_problems(state)
+        comm = self.sync_state._comm()
+        reports = allgather_object(comm, (problems, state.get("step")), collective_device(comm))
+        found = {rank: p for rank, (p, _) in enumerate(reports) if p}
+        steps = {step for _, step in reports}
+        if not found and len(steps) > 1:
+            found = {
+                -1: [f"the ranks' states are of different inner steps {sorted(steps)}: load one checkpoint"]
+            }
+        if found:
+            lines = "\n".join(
+                f"  {'all ranks' if r < 0 else f'rank {r}'}: {'; '.join(p)}" for r, p in found.items()
+            )
+            raise ValueError(f"gradsync: DiLoCo.load_state_dict refused, nothing was loaded:\n{lines}")
+        self.sync_state.load_state_dict(state["sync"])
+        self.step, self.skipped = state["step"], state["skipped"]
+        with torch.no_grad():
+            for g, saved in zip(self._global, state["global"], strict=True):
+                g.copy_(saved)
+        self._outer.load_state_dict(state["outer_optimizer"])
+        self._pending = {}
+        for index, saved in state["pending"].items():
+            done: Future[torch.Tensor] = Future()
+            done.set_result(saved["average"].clone())
+            self._pending[int(index)] = _Pending(saved["due"], done)
+
+    # -- the outer loop ---------------------------------------------------------------------------
+
+    def _after_inner_step(self) -> None:
+        self.step += 1
+        for index, (offset, _) in enumerate(self._fragments):
+            if self.step % self.sync_every == offset:
+                self._start(index)
+        for index in sorted(self._pending):
+            if self._pending[index].due <= self.step:
+                self._apply(index, self._pending.pop(index).average.wait())
+
+    @torch.no_grad()
+    def _start(self, index: int) -> None:
+        """Issue fragment `index`'s exchange: its outer gradient, global minus local, averaged."""
+        _, members = self._fragments[index]
+        outer_gradient = torch.cat([(self._global[i] - self._params[i]).reshape(-1) for i in members])
+        future = self.sync_state.sync(outer_gradient, index, is_last=True)
+        self._pending[index] = _Pending(self.step + self.delay, future)
+
+    @torch.no_grad()
+    def _apply(self, index: int, average: torch.Tensor) -> None:
+        """The outer step on fragment `index`, then the new global parameters mixed into the local
+        ones. A non-finite average (every rank decodes the same one) skips the step on every rank."""
+        _, members = self._fragments[index]
+        finite = bool(torch.isfinite(average).all())
+        if finite:
+            parts = average.split([self._global[i].numel() for i in members])
+            for i, part in zip(members, parts, strict=True):
+                self._global[i].grad = part.view_as(self._global[i])
+            self._outer.step()
+            for i in members:
+                self._global[i].grad = None
+        else:
+            self.skipped += 1
+            log.warning(
+                "gradsync DiLoCo: fragment %d's outer gradient is not finite at inner step %d: sync "
+                "skipped on every rank, local parameters reset to the global ones",
+                *(index, self.step),
+            )
+        for i in members:
+            local, glob = self._params[i], self._global[i]
+            if self.alpha == 0.0 or not finite:
+                local.copy_(glob)  # exactly the global parameters (a lerp could round them)
+            else:
+                local.lerp_(glob, 1.0 - self.alpha)
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"inner_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        mine = {id(p) for p in params}
+        stray = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in mine)
+        if stray:
+            raise ValueError(
+                f"inner_optimizer steps {stray} tensor(s) that are not trainable parameters of the model; "
+                "DiLoCo syncs the model's parameters: build the optimizer on model.parameters()"
+            )
+
+    def _check_ranks_agree(self, comm: Comm, config: SyncConfig) -> None:
+        """Fail on every rank, with one message, when ranks were configured differently."""
+        mine = json.dumps({**self.options, **json.loads(config.fingerprint())}, sort_keys=True)
+        fingerprints = allgather_object(comm, mine, collective_device(comm))
+        if len(set(fingerprints)) > 1:
+            raise ValueError(
+                "gradsync: the ranks were given different DiLoCo options, so they cannot sync:\n"
+                f"{describe_differences(fingerprints)}\nPass the same options on every rank."
+            )
+
+    def _broadcast_from_first(self, comm: Comm, group: dist.ProcessGroup | None) -> None:
+        """Every rank starts from the first rank's parameters, as DDP does at construction."""
+        if comm.world_size == 1:
+            return
+        first = dist.get_global_rank(group, 0) if group is not None else 0
+        with torch.no_grad():
+            for p in self._params:
+                dist.broadcast(p.data, first, group=group)
+
+    def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
+        if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+            return [f"not a gradsync DiLoCo state of format {FORMAT}: pass what DiLoCo.state_dict() returned"]
+        problems = []
+        if state["options"] != self.options:
+            problems.append(f"saved with options {state['options']}, these are {self.options}: use the same")
+        shapes = [tuple(t.shape) for t in state["global"]]
+        if shapes != [tuple(g.shape) for g in self._global]:
+            problems.append("its global parameters are of another model: load the checkpoint of this model")
+        elif not all(bool(torch.isfinite(t).all()) for t in state["global"]):
+            problems.append("its global parameters are not finite: load an earlier checkpoint")
+        return problems
+
+
+def check_options(
+    sync_every: int, outer_lr: float, outer_momentum: float, fragments: int, delay: int, alpha: float
+) -> dict[str, Any]:
+    """DiLoCo's options as a dict, if valid; else ValueError naming the value, its range and why."""
+    check_int("sync_every", sync_every, 1, why="inner steps between two syncs")
+    check_int(
+        "fragments", fragments, 1, sync_every, why="each fragment syncs at its own inner step of a round"
+    )
+    check_int("delay", delay, 0, sync_every - 1, why="a fragment's exchange ends before its next one starts")
+    check_real("alpha", alpha, 0.0, 1.0, "[]", "the local parameters' weight in the mix")
+    check_real(
+        "outer_lr", outer_lr, 0.0, float("inf"), "()", "DiLoCo uses 0.7; 1 with momentum 0 is Local SGD"
+    )
+    check_real("outer_momentum", outer_momentum, 0.0, 1.0, "[)", "DiLoCo uses 0.9")
+    return {
+        "sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+        "fragments": fragments, "delay": delay, "alpha": alpha,
+    }  # fmt: skip
+
+
+def _cut(params: list[nn.Parameter], fragments: int, sync_every: int) -> list[tuple[int, list[int]]]:
+    """`fragments` runs of consecutive tensors (positions in `params`) of about equal size, each with
+    the inner step (mod `sync_every`) it syncs at, staggered evenly over a round: f * H // fragments."""
+    sizes = [p.numel() for p in params]
+    total, seen, runs = sum(sizes), 0, [[]]
+    for i, size in enumerate(sizes):
+        to_open = fragments - len(runs)
+        full = seen >= len(runs) * total / fragments
+        if runs[-1] and to_open > 0 and (full or to_open >= len(sizes) - i):
+            runs.append([])
+        runs[-1].append(i)
+        seen += size
+    return [(f * sync_every // fragments, run) for f, run in enumerate(runs)]

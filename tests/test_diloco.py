@@ -1,0 +1,233 @@
+"""gradsync.DiLoCo in a world of one: when it syncs, what the outer step computes, streaming
+fragments and their delay, skipped non-finite syncs, exact resume and refused input. Several
+ranks: tests/distributed/test_dist_diloco.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.diloco import _cut
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)  # test data only; gradsync itself never touches the global RNG
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[list[torch.Tensor]]:
+    """Inner steps on seeded batches; the parameters after each step."""
+    after = []
+    for step in steps:
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        optimizer.step()
+        after.append([p.detach().clone() for p in net.parameters()])
+    return after
+
+
+def params(net: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_nothing_syncs_before_the_hth_step_then_local_becomes_the_nesterov_stepped_global() -> None:
+    net = model()
+    start = params(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=3, outer_lr=0.7, outer_momentum=0.9)
+    plain = model()
+    local = train(plain, torch.optim.SGD(plain.parameters(), lr=0.1), range(3))
+    after = train(net, optimizer, range(3))
+    for got, want in zip(after[1], local[1], strict=True):
+        assert torch.equal(got, want)  # step 2: no sync yet, the inner trajectory untouched
+    # Step 3: the first outer step from a zero momentum buffer, Nesterov: lr (1 + momentum) delta.
+    for got, theta0, theta in zip(after[2], start, local[2], strict=True):
+        torch.testing.assert_close(got, theta0 - 0.7 * 1.9 * (theta0 - theta))
+    assert outer.stats()["inner_steps"] == 3 and outer.stats()["step"] == 1  # one fragment sync
+
+
+def test_local_sgd_in_a_world_of_one_is_plain_training() -> None:
+    net, plain = model(), model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    gradsync.DiLoCo(net, optimizer, sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    got = train(net, optimizer, range(6))[-1]
+    want = train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), range(6))[-1]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # global - (global - local): rounding only
+
+
+def test_fragments_cover_every_tensor_once_in_order_staggered_over_the_round() -> None:
+    net = nn.Sequential(*[nn.Linear(10, 10) for _ in range(5)])  # 10 tensors
+    parts = _cut(list(net.parameters()), 3, 12)
+    assert [offset for offset, _ in parts] == [0, 4, 8]
+    assert [i for _, run in parts for i in run] == list(range(10))
+    assert all(run for _, run in parts)
+    sizes = [sum(list(net.parameters())[i].numel() for i in run) for _, run in parts]
+    assert max(sizes) - min(sizes) <= 110  # about equal: within one weight and bias
+    # As many fragments as tensors: one each, even where sizes are lopsided.
+    lopsided = [nn.Parameter(torch.zeros(1000)), nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))]
+    assert [run for _, run in _cut(lopsided, 3, 3)] == [[0], [1], [2]]
+
+
+def test_streaming_fragments_sync_at_their_own_steps_and_a_delay_applies_later() -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=4, fragments=2, delay=1)
+    fragments = [run for _, run in outer._fragments]
+    syncs, loaded = [], []
+    for step in range(1, 9):
+        train(net, optimizer, range(step, step + 1))
+        syncs.append(outer.stats()["step"])
+        local = list(net.parameters())
+        loaded.append(
+            [
+                f
+                for f, run in enumerate(fragments)
+                if all(torch.equal(local[i], outer._global[i]) for i in run)
+            ]
+        )
+    # Fragment 1 starts at steps 2 and 6, fragment 0 at 4 and 8; each is applied (the local
+    # parameters replaced by the global ones) one inner step later.
+    assert syncs == [0, 1, 1, 2, 2, 3, 3, 4]
+    assert loaded == [[], [], [1], [], [0], [], [1], []]
+    assert set(outer._pending) == {0}  # fragment 0's step-8 exchange is due at step 9
+
+
+def test_a_delayed_fragment_mixes_the_global_into_the_local_with_alpha() -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(
+        net, optimizer, sync_every=2, delay=1, alpha=0.25, outer_lr=1.0, outer_momentum=0.0
+    )
+    before = train(net, optimizer, range(2))[-1]  # step 2 starts the exchange of these
+    plain = model()
+    plain.load_state_dict(net.state_dict())
+    inner = torch.optim.SGD(plain.parameters(), lr=0.1)
+    trained = train(plain, inner, range(2, 3))[-1]  # what step 3 trains, before the mix
+    after = train(net, optimizer, range(2, 3))[-1]
+    for got, local, global_ in zip(after, trained, before, strict=True):
+        torch.testing.assert_close(got, 0.25 * local + 0.75 * global_)
+    assert not outer._pending
+
+
+def test_a_non_finite_outer_gradient_skips_the_sync_and_resets_to_the_global_parameters() -> None:
+    net = model()
+    start = params(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2)
+    train(net, optimizer, range(1))
+    with torch.no_grad():
+        next(net.parameters())[0, 0] = float("nan")
+    after = train(net, optimizer, range(1, 2))[-1]
+    assert outer.skipped == 1
+    for got, want in zip(after, start, strict=True):
+        assert torch.equal(got, want)  # the global parameters, untouched by the outer optimizer
+    assert all(
+        s.abs().sum() == 0 for s in outer._outer.state.values() for s in s.values() if torch.is_tensor(s)
+    )
+
+
+@pytest.mark.parametrize("compressor", ["none", "int8"])
+def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(compressor: str) -> None:
+    def make() -> tuple[nn.Module, torch.optim.Optimizer, gradsync.DiLoCo]:
+        net = nn.Sequential(nn.Linear(128, 160), nn.Tanh(), nn.Linear(160, 4))  # int8 compresses the first
+        torch.manual_seed(1)
+        for p in net.parameters():
+            nn.init.normal_(p, std=0.1)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        outer = gradsync.DiLoCo(
+            net, optimizer, sync_every=4, fragments=2, delay=1, alpha=0.5, compressor=compressor
+        )
+        return net, optimizer, outer
+
+    def batches(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            generator = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 128, generator=generator), torch.randn(16, 4, generator=generator)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+
+    net, optimizer, outer = make()
+    batches(net, optimizer, range(12))
+    want = params(net)
+
+    net, optimizer, outer = make()
+    batches(net, optimizer, range(6))
+    assert outer._pending  # fragment 1's step-6 exchange is due at step 7
+    saved = (net.state_dict(), optimizer.state_dict(), outer.state_dict())
+    outer.close()
+    net, optimizer, outer = make()
+    net.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    outer.load_state_dict(saved[2])
+    batches(net, optimizer, range(6, 12))
+    for got, expected in zip(params(net), want, strict=True):
+        assert torch.equal(got, expected)
+    if compressor != "none":
+        assert outer.stats()["total"]["compressed_groups"] > 0
+
+
+def test_close_stops_counting_inner_steps() -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2)
+    train(net, optimizer, range(1))
+    outer.close()
+    local = train(net, optimizer, range(1, 3))
+    assert outer.step == 1 and outer.stats()["step"] == 0
+    assert not torch.equal(local[0][0], local[1][0])  # training went on, unsynced
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"sync_every": 0}, ["sync_every=0", "[1, inf]"]),
+        ({"sync_every": 4, "fragments": 5}, ["fragments=5", "[1, 4]"]),
+        ({"sync_every": 4, "fragments": 0}, ["fragments=0"]),
+        ({"sync_every": 4, "delay": 4}, ["delay=4", "[0, 3]"]),
+        ({"alpha": 1.5}, ["alpha=1.5", "[0, 1]"]),
+        ({"outer_lr": 0.0}, ["outer_lr=0.0", "Local SGD"]),
+        ({"outer_momentum": 1.0}, ["outer_momentum=1.0", "[0, 1)"]),
+        ({"compressor": "nope"}, ["nope"]),
+    ],
+)
+def test_bad_options_are_refused_naming_the_value_and_the_range(kwargs: dict, words: list[str]) -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises((ValueError, KeyError)) as excinfo:
+        gradsync.DiLoCo(net, optimizer, **kwargs)
+    for word in words:
+        assert word in str(excinfo.value)
+    assert not optimizer._optimizer_step_post_hooks  # nothing left installed
+
+
+def test_a_ddp_model_or_a_foreign_optimizer_is_refused_with_the_fix() -> None:
+    net = model()
+    with pytest.raises(ValueError, match=r"model\.parameters"):
+        gradsync.DiLoCo(net, torch.optim.SGD(model(1).parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+        gradsync.DiLoCo(net, "sgd")  # type: ignore[arg-type]
+
+
+def test_a_state_of_other_options_is_refused_and_nothing_is_loaded() -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2)
+    train(net, optimizer, range(2))
+    saved = outer.state_dict()
+    other_net = model()
+    other_optimizer = torch.optim.SGD(other_net.parameters(), lr=0.1)
+    other = gradsync.DiLoCo(other_net, other_optimizer, sync_every=3)
+    with pytest.raises(ValueError, match="sync_every") as excinfo:
+        other.load_state_dict(saved)
+    assert "nothing was loaded" in str(excinfo.value)
+    assert other.step == 0 and all(
+        torch.equal(g, p) for g, p in zip(other._global, other_net.parameters(), strict=True)
+    )
+    with pytest.raises(ValueError, match="not a gradsync DiLoCo state"):
+        other.load_state_dict({"points": {}})
