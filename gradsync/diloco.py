@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +113,7 @@ class DiLoCo:
         self._outer = torch.optim.SGD(
             self._global, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
         )
-        self._fragments = _cut(params, fragments, sync_every)
+        self._fragments = cut([p.numel() for p in params], fragments, sync_every)
         self.step = 0  # inner steps taken
         self.skipped = 0  # syncs skipped on every rank for a non-finite outer gradient
         self._pending: dict[int, _Pending] = {}
@@ -303,10 +303,10 @@ def check_options(
     }  # fmt: skip
 
 
-def _cut(params: list[nn.Parameter], fragments: int, sync_every: int) -> list[tuple[int, list[int]]]:
-    """`fragments` runs of consecutive tensors (positions in `params`) of about equal size, each with
-    the inner step (mod `sync_every`) it syncs at, staggered evenly over a round: f * H // fragments."""
-    sizes = [p.numel() for p in params]
+def cut(sizes: Sequence[int], fragments: int, sync_every: int) -> list[tuple[int, list[int]]]:
+    """`fragments` runs of consecutive tensors (positions in `sizes`, their element counts) of about
+    equal size, each with the inner step (mod `sync_every`) it syncs at, staggered evenly over a
+    round: f * H // fragments. Pure: the simulator cuts the same way."""
     total, seen, runs = sum(sizes), 0, [[]]
     for i, size in enumerate(sizes):
         to_open = fragments - len(runs)

@@ -31,7 +31,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="comma-separated, repeatable: none, fp16, topk:ratio=0.01, qsgd:collective=two-level, "
-        "none:scheme=auto, dgc:on=cpu ... (default none,fp16,topk:ratio=0.01)",
+        "none:scheme=auto, dgc:on=cpu, diloco:sync_every=50:compressor=int4 (DiLoCo's mean inner "
+        "step) ... (default none,fp16,topk:ratio=0.01)",
     )
     sim.add_argument(
         "--groups", default="ddp", help="ddp (25 MiB buckets), layerwise, single, or a number of equal groups"
@@ -45,7 +46,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
-    from ..sim import cluster, compute, engine, models, report
+    from ..sim import cluster, compute, engine, models, outer, report
 
     texts = [s.strip() for item in args.strategy or ["none,fp16,topk:ratio=0.01"] for s in item.split(",")]
     try:
@@ -63,7 +64,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         grouping = _grouping(args.groups, work.numels)
         started = time.perf_counter()
         results = [
-            engine.simulate(work, where, text, grouping, args.jitter, args.seed) for text in texts if text
+            outer.simulate(work, where, text)
+            if outer.is_outer(text)
+            else engine.simulate(work, where, text, grouping, args.jitter, args.seed)
+            for text in texts
+            if text
         ]
         elapsed = time.perf_counter() - started
     except (KeyError, TypeError, ValueError, OSError) as err:
