@@ -5,13 +5,18 @@
   the same global and local parameters, bit for bit, sending a fraction of the uncompressed bytes,
   which are H times fewer than DDP's;
 - a non-finite outer gradient on one rank skips that sync on every rank;
-- ranks given different options all fail at construction with one message.
+- ranks given different options all fail at construction with one message;
+- a rank killed before a sync makes every other raise within the timeout, no outer step taken.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import time
 
+import pytest
 import torch
 from dist_harness import batch, ddp, make_mlp, run_ranks
 from torch import nn
@@ -123,3 +128,41 @@ def test_diloco_over_three_ranks() -> None:
     messages = [r["mismatch"] for r in results]
     assert all(m is not None and "different DiLoCo options" in m and "sync_every=5" in m for m in messages)
     assert len(set(messages)) == 1 and all(r["hooks_left"] == 0 for r in results)
+
+
+PG_TIMEOUT_S = 2.0
+
+
+def _killed_before_a_sync(rank: int, world: int, compressor: str) -> dict:
+    net = _wide(0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2, compressor=compressor)
+    for step in range(4):
+        if rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # dies before the second sync (inner step 4)
+        before = _digest(outer.global_parameters())
+        started = time.monotonic()
+        try:
+            _step(net, optimizer, rank, step)
+        except Exception as error:
+            return {
+                "raised": f"{type(error).__name__}: {error}",
+                "seconds": time.monotonic() - started,
+                "step": step,
+                "global_unchanged": _digest(outer.global_parameters()) == before,
+            }
+    return {"raised": None}
+
+
+@pytest.mark.parametrize("compressor", ["none", "int4"])
+def test_a_rank_that_dies_before_a_sync_makes_every_other_raise(compressor: str) -> None:
+    results = run_ranks(
+        _killed_before_a_sync, WORLD, args=(compressor,), timeout_s=60, pg_timeout_s=PG_TIMEOUT_S, may_die=[1]
+    )
+    for rank, result in enumerate(results):
+        if rank == 1:
+            continue
+        raised = result["raised"]
+        assert raised is not None and "CollectiveError" in raised and "gradsync: " in raised, result
+        assert result["step"] == 3 and result["seconds"] <= PG_TIMEOUT_S + 5, result
+        assert result["global_unchanged"], raised  # no outer step from a broken exchange
