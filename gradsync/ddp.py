@@ -9,12 +9,16 @@ into a fresh DDP model follows the layout it was saved with, whatever buckets DD
 No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
 """
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
 from .regroup import Regroup
 from .sync import SyncState
+
+log = logging.getLogger("gradsync")
 
 
 def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -49,6 +53,11 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
             return state.sync(buffer, index, is_last, params=params)
         # DDP's buckets differ from those the state was made for (the first iteration of a fresh
         # DDP model after a restore): sync the saved groups instead, for this step.
+        log.info(
+            "gradsync: DDP's bucket %d is not laid out as the saved state's groups: step %d syncs the "
+            "%d saved groups, cut out of DDP's buckets",
+            *(index, state.step, len(state.layout)),
+        )
         state._regroup = Regroup(state.layout)
     return _regrouped(state, bucket, params, is_last)
 

@@ -107,6 +107,7 @@ class SyncState:
         self._direct: dict[tuple[int, ...], int] = {}  # plan groups laid out as a bucket: synced in place
         self._local_steps = 0  # steps this process's hook has seen: DDP rebuilds buckets after one
         self._ranks_agree = False  # set once every rank's config was compared
+        self._compressing = False  # set (and logged) at the first compressed exchange
         # Per parameter, what to add to its next gradient (the average's share) before it is
         # exchanged: error memories of a plan given up (plan="auto" hands over between plans).
         self._carry: dict[int, torch.Tensor] = {}
@@ -281,6 +282,12 @@ class SyncState:
             shown = self.plan is None or compress  # a plan's warm-up runs DDP's buckets, not its groups
             return then(
                 future, lambda result: self._record(result, x, group, step, strategy, None, started, shown)
+            )
+        if not self._compressing:
+            self._compressing = True
+            log.info(
+                "gradsync: compressing from step %d on, %s first: %s by %s",
+                *(step, _key(self.plan is not None, group), strategy.text, strategy.collective),
             )
         point = self._point(group, x)
         # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
@@ -540,6 +547,10 @@ class SyncState:
         self.sparse.load_state_dict(state["sparse"])
         self._layout_checked = set()
         self._regroup = None
+        log.info(
+            "gradsync: restored on rank %d at step %d: %d compression point(s), %d group(s) as saved",
+            *(self.rank, self.step, len(self.points), len(self.layout)),
+        )
 
 
 def _key(planned: bool, group: int) -> str:

@@ -321,3 +321,30 @@ def test_the_headline_says_how_much_sooner_each_run_reached_ddps_loss_or_that_it
     assert "after 2.5 s" in topk and "DDP's 10.0 s" in topk and "4.00x sooner" in topk
     assert "did not reach" in signsgd and "2.0000" in signsgd
     assert report.headline(train.summarize(raw[1:], {}, options)) == "No DDP run, so no time to DDP's loss."
+
+
+@pytest.mark.parametrize("argv", [["bench", "train"], ["bench", "sparse"], ["demo", "--loopback"]])
+def test_without_matplotlib_a_plotting_command_stops_before_measuring(argv, monkeypatch, capsys):
+    import importlib.util
+
+    from gradsync.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("trained without a way to plot"))
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "matplotlib, which is not installed" in capsys.readouterr().err
+
+
+def test_version_names_gradsync_and_torch(capsys):
+    from gradsync.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"gradsync {gradsync.__version__} ") and "torch" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import math
 import pickle
 import warnings
@@ -105,6 +106,20 @@ def test_warmup_steps_return_the_input_exactly_then_compression_starts() -> None
     assert int((out != 0).sum()) == 30
     steps = state.stats()["steps"]
     assert [s["compressed_groups"] for s in steps] == [0, 0, 0, 1]
+
+
+def test_the_log_says_when_compression_starts_and_when_a_state_is_restored(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="gradsync")
+    state = new_state(compressor="int8", warmup_steps=2)
+    for g in gradients(4):
+        sync(state, g)
+    started = [r.getMessage() for r in caplog.records if "compressing" in r.getMessage()]
+    assert started == ["gradsync: compressing from step 2 on, bucket 0 first: int8 by two-shot"]
+    restored = new_state(compressor="int8", warmup_steps=2)
+    restored.load_state_dict(state.state_dict())
+    assert any(
+        "restored on rank 0 at step 4: 1 compression point(s)" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_warmup_counts_training_steps_not_buckets() -> None:

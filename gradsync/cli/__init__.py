@@ -6,22 +6,31 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from collections.abc import Sequence
 
-from .. import compress
+import torch
+
+from .. import __version__, compress
 from ..config import SyncConfig
 from ..strategy import default_collective
 from . import plan, simulate, testbed
 from .bench import BENCHES
 
 COMMANDS = {"simulate": simulate, "plan": plan, "testbed": testbed}
+# Benchmarks that draw plots once they have measured: without matplotlib they would train for
+# minutes and then fail, so they check first.
+_PLOTTING = ("train", "sparse", "sim", "fidelity")
 # Bits per element are quoted for a tensor of this many fp32 elements (4 MiB).
 _LIST_NUMEL = 1 << 20
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"gradsync {__version__} (torch {torch.__version__})"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="every compressor with its flags and bits per element")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -42,11 +51,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in COMMANDS:
         return COMMANDS[args.command].run(args, parsers[args.command])
     if args.command == "bench":
+        if args.bench in _PLOTTING:
+            _require_matplotlib(bench_parsers[args.bench], f"bench {args.bench}")
         _, run_bench = BENCHES[args.bench]
         return run_bench(args, bench_parsers[args.bench])
+    _require_matplotlib(demo, "demo")
     from ..demo import main as demo_main
 
     return demo_main(steps=args.steps, use_testbed=not args.loopback, parser=demo)
+
+
+def _require_matplotlib(parser: argparse.ArgumentParser, what: str) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error(
+            f"gradsync {what} draws its plots with matplotlib, which is not installed: "
+            "pip install 'gradsync[bench]' (make installs it)"
+        )
 
 
 def describe(name: str) -> dict[str, object]:
