@@ -24,7 +24,7 @@ log = logging.getLogger("gradsync")
 def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average one bucket with compression and error feedback."""
     index, is_last = bucket.index(), bucket.is_last()
-    first_iteration = state._local_steps == 0  # DDP's initial buckets; rebuilt after this step
+    first_iteration = state._local_steps < state._initial_iterations  # DDP's initial buckets, rebuilt later
     if is_last:
         state._local_steps += 1
     buffer = bucket.buffer()

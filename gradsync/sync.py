@@ -106,6 +106,8 @@ class SyncState:
         self._ddp_layout: dict[int, tuple[int, ...]] = {}  # with a plan: DDP's buckets as last seen
         self._direct: dict[tuple[int, ...], int] = {}  # plan groups laid out as a bucket: synced in place
         self._local_steps = 0  # steps this process's hook has seen: DDP rebuilds buckets after one
+        # ... or after two with static_graph=True (its first iteration traces the graph)
+        self._initial_iterations = 2 if getattr(model, "static_graph", False) else 1
         self._ranks_agree = False  # set once every rank's config was compared
         self._compressing = False  # set (and logged) at the first compressed exchange
         # Per parameter, what to add to its next gradient (the average's share) before it is

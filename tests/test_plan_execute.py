@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -63,16 +61,6 @@ def make_plan(model: nn.Module, groups: Sequence[tuple[Sequence[int], str]], wor
 
 def config(**fields: Any) -> SyncConfig:
     return SyncConfig(**{"warmup_steps": WARMUP, **fields})
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A gloo process group of one rank, so that register() and DDP run in this process."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 # -- SyncConfig(plan=...) ---------------------------------------------------------------------------
