@@ -348,3 +348,23 @@ def test_version_names_gradsync_and_torch(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"gradsync {gradsync.__version__} ") and "torch" in out
+
+
+def test_the_last_quarters_fall_needs_four_evaluations_after_the_first():
+    evals = [{"step": 10 * i, "loss": loss} for i, loss in enumerate([4.0, 3.0, 2.0, 1.1, 1.0])]
+    assert train.last_quarter_fall(evals) == pytest.approx(0.1)  # step 30: 1.1, step 40: 1.0
+    assert train.last_quarter_fall(evals[:4]) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"until_flat": 0.0}, ["until_flat=0.0", "(0, 1)"]),
+        ({"until_flat": 0.02, "strategies": ("topk",)}, ["add ddp"]),
+    ],
+)
+def test_until_flat_is_checked(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        train.BenchOptions(**kwargs)
+    for word in words:
+        assert word in str(err.value)

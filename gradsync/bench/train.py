@@ -19,6 +19,7 @@ their output and summarising the runs are one job that every rank-running benchm
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -64,6 +65,9 @@ class BenchOptions:
     threads: int = 1  # torch threads per rank
     probe_steps: int = 5  # compute-only steps after training, for the step-time breakdown
     timeout_s: float = 1800.0  # per strategy; the ranks are killed past it
+    # Train DDP first and stop it once its held-out loss fell less than this fraction over the
+    # last quarter of its steps (at most `steps`); every strategy then trains as many steps.
+    until_flat: float | None = None
 
     def __post_init__(self) -> None:
         _at_least("world_size", self.world_size, 1, "e.g. --world 4")
@@ -75,6 +79,13 @@ class BenchOptions:
             raise ValueError(f"tolerance={self.tolerance} must lie in [0, 1); e.g. 0.02 for 2%")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+        if self.until_flat is not None:
+            if not 0 < self.until_flat < 1:
+                raise ValueError(f"until_flat={self.until_flat} must lie in (0, 1); e.g. 0.02: under 2% fall")
+            if not any(strategies.parse(text).kind == "ddp" for text in self.strategies):
+                raise ValueError(
+                    "until_flat stops DDP's run when its loss is flat: add ddp to the strategies"
+                )
         for text in self.strategies:
             strategies.parse(text)  # raises ValueError naming the bad one
         if len(set(self.strategies)) != len(self.strategies):
@@ -136,12 +147,18 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
             f"bring one up with --hosts {options.world_size}"
         )
     workload = workloads.build(options.workload, seed=options.seed, **options.workload_options)
-    raw = []
+    order = list(options.strategies)
+    if options.until_flat is not None:  # DDP first: its flat curve decides everyone's steps
+        order.sort(key=lambda text: strategies.parse(text).kind != "ddp")
+    raw: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as tmp:
-        for index, text in enumerate(options.strategies):
+        for index, text in enumerate(order):
             label = strategies.parse(text).label
             bar = ProgressBar(options.steps, label) if progress else None
-            raw.append(_run_one(options, network, text, Path(tmp), index, bar))
+            flat = options.until_flat if index == 0 else None
+            raw[text] = _run_one(options, network, text, Path(tmp), index, bar, flat)
+            if flat is not None:
+                options = dataclasses.replace(options, steps=len(raw[text]["step_s"]))
     meta = {
         "workload": options.workload,
         "workload_description": workload.describe(),
@@ -150,7 +167,7 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
         "network": network.to_dict(),
         **report.provenance(),
     }
-    return summarize(raw, meta, options)
+    return summarize([raw[text] for text in options.strategies], meta, options)
 
 
 def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOptions) -> dict[str, Any]:
@@ -215,21 +232,34 @@ def _curve(evals: list[dict[str, Any]]) -> dict[str, float | None]:
     """How settled the reference's held-out curve is, and how noisy its last point: the loss's
     standard error over held-out predictions, and its fall over the last quarter of the steps."""
     final = evals[-1]
-    quarter = next((e for e in evals if e["step"] >= 0.75 * final["step"]), final)
     return {
         "final_loss": final["loss"],
         "final_se": final.get("loss_se"),
-        "last_quarter_fall": (quarter["loss"] - final["loss"]) / final["loss"]
-        if quarter is not final
-        else None,
+        "last_quarter_fall": last_quarter_fall(evals),
     }
+
+
+def last_quarter_fall(evals: Sequence[dict[str, Any]]) -> float | None:
+    """How much the held-out loss fell over the last quarter of the steps evaluated, as a fraction
+    of the last loss; None with too few evaluations to say (fewer than 4 after the first)."""
+    final = evals[-1]
+    quarter = next((e for e in evals if e["step"] >= 0.75 * final["step"]), final)
+    if quarter is final or len(evals) < 5:
+        return None
+    return (quarter["loss"] - final["loss"]) / final["loss"]
 
 
 # -- running one strategy --------------------------------------------------------------------------
 
 
 def _run_one(
-    options: BenchOptions, network: Network, strategy: str, tmp: Path, index: int, bar: ProgressBar | None
+    options: BenchOptions,
+    network: Network,
+    strategy: str,
+    tmp: Path,
+    index: int,
+    bar: ProgressBar | None,
+    until_flat: float | None = None,
 ) -> dict[str, Any]:
     spec = {
         "workload": options.workload,
@@ -242,6 +272,7 @@ def _run_one(
         "threads": options.threads,
         "probe_steps": options.probe_steps,
         "timeout_s": options.timeout_s,
+        "until_flat": until_flat,
     }
     name = f"strategy {strategy!r}"
     result = run_job(

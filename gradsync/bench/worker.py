@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import tuner, workloads
 from . import strategies
 from .rank import serve
+from .train import last_quarter_fall
 
 
 def main(spec_path: str) -> int:
@@ -67,6 +68,11 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         if (step + 1) % spec["eval_every"] == 0 or step + 1 == steps:
             held_out = _held_out_model(model, installed)
             evals.append(_evaluate(workload, held_out, rank, world_size, step=step + 1, wall_s=wall_s))
+            # Every rank evaluated the same reduced losses, so every rank stops at the same step.
+            fall = last_quarter_fall(evals) if spec.get("until_flat") else None
+            if fall is not None and fall < spec["until_flat"] and step + 1 > steady_from + 1:
+                steps = step + 1
+                break
     wire_bytes = tx.per_step(steps - steady_from)
     if installed.diloco is not None:
         installed.diloco.close()  # the compute-only probe below must not sync

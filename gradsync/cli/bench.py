@@ -89,10 +89,18 @@ def _add_bench_train(benches: argparse._SubParsersAction) -> argparse.ArgumentPa
     train.add_argument(
         "--strategies",
         default="ddp,torch-fp16,torch-powersgd,int4,topk",
-        help="comma-separated: ddp, torch-fp16, torch-powersgd[:rank=R], or a gradsync compressor "
-        "with options, e.g. topk:ratio=0.01 (default %(default)s)",
+        help="comma-separated: ddp, torch-fp16, torch-powersgd[:rank=R], a gradsync compressor "
+        "with options, e.g. topk:ratio=0.01, auto, or diloco:sync_every=H (default %(default)s)",
     )
     train.add_argument("--steps", type=int, default=defaults["steps"].default, help="steps per strategy")
+    train.add_argument(
+        "--until-flat",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="train DDP first, at most --steps, and stop it once its held-out loss fell less than "
+        "FRACTION over its last quarter of steps (e.g. 0.02); every strategy then trains as many",
+    )
     train.add_argument("--eval-every", type=int, default=defaults["eval_every"].default)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument(
@@ -135,6 +143,7 @@ def _bench_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             tolerance=args.tolerance,
             threads=args.threads,
             timeout_s=args.timeout,
+            until_flat=args.until_flat,
         )
         from .. import workloads
 

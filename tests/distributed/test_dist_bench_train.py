@@ -89,3 +89,24 @@ def test_results_are_written_as_json_markdown_and_plots(document: dict):
 
 def runs_final(document: dict, strategy: str) -> float:
     return next(r["final_loss"] for r in document["runs"] if r["strategy"] == strategy)
+
+
+def test_until_flat_stops_ddp_when_its_loss_is_flat_and_trains_every_strategy_as_long(tmp_path: Path):
+    # A loose flatness (a fall under 90%) stops DDP at its first chance: 5 evaluations, and past
+    # the warm-up; DDP trains first though named last, and the document keeps the order given.
+    options = train.BenchOptions(
+        workload="mlp-wide",
+        workload_options=_SMALL,
+        world_size=2,
+        strategies=("fp16", "ddp"),
+        steps=60,
+        eval_every=4,
+        probe_steps=1,
+        timeout_s=240,
+        until_flat=0.9,
+    )
+    document = train.run(options, train.loopback(), progress=False)
+    fp16, ddp = document["runs"]
+    assert (fp16["strategy"], ddp["strategy"]) == ("fp16", "ddp")
+    assert len(ddp["step_s"]) == len(fp16["step_s"]) == document["meta"]["options"]["steps"] == 16
+    assert document["meta"]["options"]["until_flat"] == 0.9
