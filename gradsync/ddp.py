@@ -35,7 +35,7 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         key = f"param {state._param_index[id(param)]}" if state._param_index else f"bucket {index}"
         return state.sync_rows(buffer, key, is_last)
     if state._param_index is None:  # installed by register_comm_hook, not register(): buckets only
-        return state.sync(buffer, index, is_last)
+        return state.sync(buffer, index, is_last, compress=not first_iteration)
     params = tuple(state._param_index[id(p)] for p in bucket.parameters())
     state._ddp_layout[index] = params
     if state.plan is not None:

@@ -18,6 +18,8 @@ same average and applies the same outer step.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -38,6 +40,16 @@ from .sync import SyncState, collective_device, describe_differences
 log = logging.getLogger("gradsync")
 
 FORMAT = 1  # state_dict's layout
+# DiLoCo's defaults, for the tools that name its options in text (bench, simulate); the same as
+# the constructor's (a test checks).
+DEFAULTS = {
+    "sync_every": 100,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "fragments": 1,
+    "delay": 0,
+    "alpha": 0.0,
+}
 
 
 @dataclass
@@ -62,9 +74,15 @@ class DiLoCo:
         compressor, compressor_args, error_feedback, error_feedback_args, seed: how the outer
             gradient is sent, as in SyncConfig ("none": uncompressed allreduce).
         fragments: parameter fragments synced at staggered steps (Streaming DiLoCo); 1: DiLoCo.
-        delay: inner steps a fragment's exchange may overlap before its result is applied.
+        delay: inner steps a fragment's exchange may overlap before its result is applied. While
+            it overlaps, issue collectives of your own (a metric's all_reduce) on another process
+            group, or they may interleave with the exchange's differently on different ranks.
         alpha: weight of the local parameters when the new global ones are mixed in (0: replaced).
         process_group: the ranks to average over (default: the world; a world of one without one).
+
+    Every rank must call inner_optimizer.step() equally often: a step one rank skips (a GradScaler
+    finding inf there alone) would shift its syncs against the others'. Buffers (BatchNorm's
+    statistics) are broadcast from the first rank at the start and stay each rank's own after.
     """
 
     def __init__(
@@ -108,8 +126,9 @@ class DiLoCo:
         self._check_ranks_agree(comm, config)
         self.sync_state = SyncState(config, comm, model)
         self._params = params
-        self._broadcast_from_first(comm, process_group)
-        self._global = [p.detach().clone() for p in params]
+        self._broadcast_from_first(model, comm, process_group)
+        # fp32 at least: a bf16 model's outer gradient and momentum would lose what inner steps add.
+        self._global = [p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in params]
         self._outer = torch.optim.SGD(
             self._global, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
         )
@@ -123,10 +142,10 @@ class DiLoCo:
     # -- the public surface -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop counting inner steps (remove the optimizer hook); an exchange in flight is awaited."""
+        """Stop counting inner steps (remove the optimizer hook). Exchanges still in flight are
+        awaited and applied, so global_parameters() hold every sync that was started."""
         self._handle.remove()
-        for index in sorted(self._pending):
-            self._pending[index].average.wait()
+        self._apply_due(until=None)
 
     def global_parameters(self) -> list[torch.Tensor]:
         """The global parameters, the same on every rank, in the order of the model's trainable
@@ -150,7 +169,7 @@ class DiLoCo:
             "skipped": self.skipped,
             "options": dict(self.options),
             "global": [g.clone() for g in self._global],
-            "outer_optimizer": self._outer.state_dict(),
+            "outer_optimizer": copy.deepcopy(self._outer.state_dict()),  # not the live momentum
             "pending": {
                 index: {"due": p.due, "average": p.average.wait().clone()}
                 for index, p in self._pending.items()
@@ -162,9 +181,13 @@ class DiLoCo:
         """Restore what state_dict() saved. A collective: call it on every rank. Refused on every
         rank alike where a state is of other options, another model or another step than the other
         ranks' (the error memories are checked by SyncState.load_state_dict)."""
-        problems = self._state_problems(state)
+        try:  # a rank must not leave before the collective below, or the others wait for it
+            problems = self._state_problems(state)
+        except (AttributeError, KeyError, TypeError) as error:
+            problems = [f"not a gradsync DiLoCo state ({type(error).__name__}: {error}): pass state_dict()'s"]
         comm = self.sync_state._comm()
-        reports = allgather_object(comm, (problems, state.get("step")), collective_device(comm))
+        step = state.get("step") if not problems else None
+        reports = allgather_object(comm, (problems, step), collective_device(comm))
         found = {rank: p for rank, (p, _) in enumerate(reports) if p}
         steps = {step for _, step in reports}
         if not found and len(steps) > 1:
@@ -181,7 +204,9 @@ class DiLoCo:
         with torch.no_grad():
             for g, saved in zip(self._global, state["global"], strict=True):
                 g.copy_(saved)
-        self._outer.load_state_dict(state["outer_optimizer"])
+        self._outer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
+        for pending in self._pending.values():
+            pending.average.wait()  # issued collectives complete before they are forgotten
         self._pending = {}
         for index, saved in state["pending"].items():
             done: Future[torch.Tensor] = Future()
@@ -195,8 +220,12 @@ class DiLoCo:
         for index, (offset, _) in enumerate(self._fragments):
             if self.step % self.sync_every == offset:
                 self._start(index)
-        for index in sorted(self._pending):
-            if self._pending[index].due <= self.step:
+        self._apply_due(until=self.step)
+
+    def _apply_due(self, until: int | None) -> None:
+        """Apply the exchanges due by inner step `until` (None: all), the earliest due first."""
+        for index in sorted(self._pending, key=lambda i: (self._pending[i].due, i)):
+            if until is None or self._pending[index].due <= until:
                 self._apply(index, self._pending.pop(index).average.wait())
 
     @torch.no_grad()
@@ -204,7 +233,8 @@ class DiLoCo:
         """Issue fragment `index`'s exchange: its outer gradient, global minus local, averaged."""
         _, members = self._fragments[index]
         outer_gradient = torch.cat([(self._global[i] - self._params[i]).reshape(-1) for i in members])
-        future = self.sync_state.sync(outer_gradient, index, is_last=True)
+        # Not drained: with a delay, the exchange goes on issuing beside the next inner steps.
+        future = self.sync_state.sync(outer_gradient, index, is_last=True, drain=False)
         self._pending[index] = _Pending(self.step + self.delay, future)
 
     @torch.no_grad()
@@ -216,7 +246,7 @@ class DiLoCo:
         if finite:
             parts = average.split([self._global[i].numel() for i in members])
             for i, part in zip(members, parts, strict=True):
-                self._global[i].grad = part.view_as(self._global[i])
+                self._global[i].grad = part.view_as(self._global[i]).to(self._global[i].dtype)
             self._outer.step()
             for i in members:
                 self._global[i].grad = None
@@ -260,19 +290,27 @@ class DiLoCo:
                 f"{describe_differences(fingerprints)}\nPass the same options on every rank."
             )
 
-    def _broadcast_from_first(self, comm: Comm, group: dist.ProcessGroup | None) -> None:
-        """Every rank starts from the first rank's parameters, as DDP does at construction."""
+    @staticmethod
+    def _broadcast_from_first(model: nn.Module, comm: Comm, group: dist.ProcessGroup | None) -> None:
+        """Every rank starts from the first rank's parameters and buffers, as DDP does."""
         if comm.world_size == 1:
             return
         first = dist.get_global_rank(group, 0) if group is not None else 0
         with torch.no_grad():
-            for p in self._params:
-                dist.broadcast(p.data, first, group=group)
+            for t in itertools.chain(model.parameters(), model.buffers()):
+                dist.broadcast(t.data, first, group=group)
 
     def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
         if not isinstance(state, Mapping) or state.get("format") != FORMAT:
             return [f"not a gradsync DiLoCo state of format {FORMAT}: pass what DiLoCo.state_dict() returned"]
         problems = []
+        missing = [
+            key
+            for key in ("step", "skipped", "options", "global", "outer_optimizer", "pending", "sync")
+            if key not in state
+        ]
+        if missing:
+            return [f"its keys {missing} are missing: pass what DiLoCo.state_dict() returned"]
         if state["options"] != self.options:
             problems.append(f"saved with options {state['options']}, these are {self.options}: use the same")
         shapes = [tuple(t.shape) for t in state["global"]]

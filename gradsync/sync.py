@@ -29,7 +29,16 @@ from torch import nn
 from torch.futures import Future
 
 from . import checkpoint, compress, exchange, feedback
-from .comm import CollectiveError, Comm, Lane, allgather_object, allreduce_sent_nbytes, completed, then
+from .comm import (
+    CollectiveError,
+    Comm,
+    Lane,
+    TorchComm,
+    allgather_object,
+    allreduce_sent_nbytes,
+    completed,
+    then,
+)
 from .compress import Compressor, lookup
 from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec
 from .feedback import Feedback
@@ -148,6 +157,8 @@ class SyncState:
         is_last: bool,
         compress: bool = True,
         params: Sequence[int] | None = None,
+        *,
+        drain: bool = True,
     ) -> Future[torch.Tensor]:
         """Average `buffer` (one group's flat gradients) over the ranks: the hook's whole job,
         usable without DDP too.
@@ -157,14 +168,18 @@ class SyncState:
         stay untouched until the future completes. `compress` False: exchanged uncompressed (a
         warm-up step, DDP's first buckets). `is_last`: the step's last group; the step is counted.
         `params`: the group's parameters (positions in model.parameters()) in buffer order, where
-        known: an embedding table among them may go as rows.
+        known: an embedding table among them may go as rows. `drain` False: at the step's last
+        group, return while collectives that wait on one another may still be issuing from the
+        lane's thread, for a caller that issues no collective of its own until the future is done
+        (DiLoCo overlapping an exchange with inner steps).
         """
         self._comm()
         step = self._begin(is_last, buffer.device)
         where = f"{'group' if self.plan is not None and compress else 'bucket'} {group} at step {step}"
         with self._failures_named(where):
             future = self._sync_group(buffer, group, step, compress, params)
-            if is_last:  # nothing of gradsync's is still being issued when DDP or the user issue theirs
+            # Nothing of gradsync's is still being issued when DDP or the user issue theirs.
+            if is_last and drain:
                 self.lane.drain()
         return self._named(future, where)
 
@@ -573,8 +588,8 @@ def _embedding_params(model: nn.Module) -> set[int]:
 
 def collective_device(comm: Comm) -> torch.device:
     """Where small collectives (checks, checkpoints) over `comm` run: the model's device."""
-    group = getattr(comm, "group", None)
-    if group is not None and dist.get_backend(group) == "nccl":
+    # A TorchComm's group None is the default group, which may be NCCL too.
+    if isinstance(comm, TorchComm) and dist.get_backend(comm.group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

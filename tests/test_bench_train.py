@@ -47,7 +47,7 @@ def test_diloco_takes_its_options_and_the_outer_gradients_codec():
     }
     assert s.config.compressor == "int4" and dict(s.config.compressor_args) == {"block_size": 64}
     assert s.label == "gradsync DiLoCo H=20, 2 fragments, delay 1 (int4 block_size=64)"
-    assert strategies.parse("diloco:outer_lr=1:outer_momentum=0").label == "gradsync Local SGD H=50 (fp32)"
+    assert strategies.parse("diloco:outer_lr=1:outer_momentum=0").label == "gradsync Local SGD H=100 (fp32)"
 
 
 def test_gradsync_options_reach_the_config():

@@ -4,12 +4,15 @@ ranks: tests/distributed/test_dist_diloco.py."""
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import pytest
 import torch
 from torch import nn
 
 import gradsync
-from gradsync.diloco import cut
+from gradsync.diloco import DEFAULTS, cut
 
 
 def model(seed: int = 0) -> nn.Module:
@@ -53,8 +56,9 @@ def test_nothing_syncs_before_the_hth_step_then_local_becomes_the_nesterov_stepp
 def test_local_sgd_in_a_world_of_one_is_plain_training() -> None:
     net, plain = model(), model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    gradsync.DiLoCo(net, optimizer, sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2, outer_lr=1.0, outer_momentum=0.0)
     got = train(net, optimizer, range(6))[-1]
+    assert outer.stats()["step"] == 3  # it did sync, three times
     want = train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), range(6))[-1]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # global - (global - local): rounding only
@@ -158,7 +162,8 @@ def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(comp
     net, optimizer, outer = make()
     batches(net, optimizer, range(6))
     assert outer._pending  # fragment 1's step-6 exchange is due at step 7
-    saved = (net.state_dict(), optimizer.state_dict(), outer.state_dict())
+    # Copies, as torch.save makes: close() applies the exchange in flight to the live model.
+    saved = copy.deepcopy((net.state_dict(), optimizer.state_dict(), outer.state_dict()))
     outer.close()
     net, optimizer, outer = make()
     net.load_state_dict(saved[0])
@@ -169,6 +174,23 @@ def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(comp
         assert torch.equal(got, expected)
     if compressor != "none":
         assert outer.stats()["total"]["compressed_groups"] > 0
+
+
+def test_the_constructors_defaults_are_the_ones_tools_name() -> None:
+    signature = inspect.signature(gradsync.DiLoCo)
+    assert {key: signature.parameters[key].default for key in DEFAULTS} == DEFAULTS
+
+
+def test_close_applies_an_exchange_still_in_flight() -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2, delay=1, outer_lr=1.0, outer_momentum=0.0)
+    started = train(net, optimizer, range(2))[-1]  # step 2 starts an exchange due at step 3
+    assert outer._pending
+    outer.close()
+    assert not outer._pending
+    for got, want in zip(outer.global_parameters(), started, strict=True):
+        torch.testing.assert_close(got, want)  # Local SGD in a world of one: the local parameters
 
 
 def test_close_stops_counting_inner_steps() -> None:
@@ -230,3 +252,7 @@ def test_a_state_of_other_options_is_refused_and_nothing_is_loaded() -> None:
     )
     with pytest.raises(ValueError, match="not a gradsync DiLoCo state"):
         other.load_state_dict({"points": {}})
+    with pytest.raises(ValueError, match=r"keys \['step'"):
+        other.load_state_dict({"format": 1})
+    with pytest.raises(ValueError, match="not a gradsync DiLoCo state"):
+        other.load_state_dict(["not", "a", "mapping"])  # type: ignore[arg-type]

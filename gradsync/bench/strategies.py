@@ -13,7 +13,7 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
   Each takes the compressor's own defaults: what a user gets who names it (`int4`, gradsync's
   default, is SyncConfig()).
 - `diloco[:key=value...]`: no DDP: gradsync.DiLoCo on the plain model and the workload's own
-  optimizer. Keys: DiLoCo's sync_every (default 50), outer_lr, outer_momentum, fragments, delay
+  optimizer. Keys: DiLoCo's sync_every (default 100), outer_lr, outer_momentum, fragments, delay
   and alpha; compressor (of the outer gradient, default none) and ef; any other key is the
   compressor's argument. Evaluated on the global parameters.
 - `auto[:compressor=NAME:key=value...]`: gradsync with SyncConfig(plan="auto"): it measures the
@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import compress, registry, tuner
 from ..api import register
 from ..config import AUTO_PLAN, NO_COMPRESSION, SyncConfig
+from ..diloco import DEFAULTS as DILOCO_DEFAULTS
 from ..diloco import DiLoCo, check_options
 from ..exchange import allreduce_sent_nbytes
 
@@ -169,7 +170,7 @@ def parse(text: str) -> Strategy:
 
 
 def _diloco(text: str, options: dict[str, Any]) -> Strategy:
-    outer = {key: options.pop(key, default) for key, default in _DILOCO_OPTIONS.items()}
+    outer = {key: options.pop(key, default) for key, default in DILOCO_DEFAULTS.items()}
     try:
         check_options(**outer)
         config = SyncConfig(
@@ -241,9 +242,12 @@ class Installed:
         elif strategy.kind == DILOCO:
             config = strategy.config
             assert config is not None
+            # A process group of its own: an exchange still issuing beside inner steps (delay > 0)
+            # must not interleave with the benchmark's own collectives (evaluations, barriers).
             self.diloco = DiLoCo(
                 model,
                 optimizer,
+                process_group=dist.new_group(),
                 compressor=config.compressor,
                 compressor_args=config.compressor_args,
                 error_feedback=config.error_feedback,

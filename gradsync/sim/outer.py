@@ -7,6 +7,9 @@ left of it stalls training. So a round of H inner steps takes H x compute + the 
 every fragment's exchange, and its bytes are every fragment's payload once.
 
     >>> result = simulate(work, where, "diloco:sync_every=50:compressor=int4")
+
+`diloco` takes DiLoCo's options (gradsync.diloco.DEFAULTS) and `compressor=NAME`; other keys are
+NAME's arguments.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from .. import registry
 from ..config import NO_COMPRESSION
-from ..diloco import check_options, cut
+from ..diloco import DEFAULTS, check_options, cut
 from ..strategy import Strategy, default_collective
 from .cluster import Cluster
 from .compute import Compute
@@ -23,7 +26,6 @@ from .engine import COMPUTE, NETWORK, GroupTiming, Result, Span
 from .phases import payload_nbytes, phases
 
 NAME = "diloco"
-_DEFAULTS = {"sync_every": 50, "fragments": 1, "delay": 0}
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,14 @@ def parse(text: str) -> OuterStrategy:
     name, options = registry.parse_spec(text, "strategy")
     if name != NAME:
         raise ValueError(f"{text!r} is not a {NAME} strategy; e.g. {NAME}:sync_every=50:compressor=int4")
-    outer = {key: options.pop(key, default) for key, default in _DEFAULTS.items()}
-    check_options(outer["sync_every"], 0.7, 0.9, outer["fragments"], outer["delay"], 0.0)
+    # The outer optimizer and the mix change the trajectory, not the time: accepted and not used.
+    outer = {key: options.pop(key, default) for key, default in DEFAULTS.items()}
+    check_options(**outer)
     codec = options.pop("compressor", NO_COMPRESSION)
+    if codec == NO_COMPRESSION and options:
+        raise ValueError(
+            f"{text!r}: unknown option(s) {sorted(options)}; {NAME} takes {', '.join(DEFAULTS)}, compressor"
+        )
     args = tuple(sorted(options.items()))
     exchange = Strategy(codec, args, default_collective(codec)) if codec != NO_COMPRESSION else Strategy()
     return OuterStrategy(text, outer["sync_every"], outer["fragments"], outer["delay"], exchange)

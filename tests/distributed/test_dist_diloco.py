@@ -78,18 +78,22 @@ def _worker(rank: int, world: int) -> dict:
         }
         outer.close()
 
-    # A non-finite outer gradient on rank 1 only.
-    net = make_mlp(0)
-    start = _digest(list(net.parameters()))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
-    outer = gradsync.DiLoCo(net, optimizer, sync_every=2)
-    _step(net, optimizer, rank, 0)
-    if rank == 1:
-        with torch.no_grad():
-            next(net.parameters())[0, 0] = float("inf")
-    _step(net, optimizer, rank, 1)
-    out["non_finite"] = {"skipped": outer.skipped, "same_as_start": _digest(list(net.parameters())) == start}
-    outer.close()
+    # A non-finite outer gradient on rank 1 only: sent as it is, and by int4 with error feedback.
+    for compressor in ("none", "int4"):
+        net = _wide(0)
+        start = _digest(list(net.parameters()))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+        outer = gradsync.DiLoCo(net, optimizer, sync_every=2, compressor=compressor)
+        _step(net, optimizer, rank, 0)
+        if rank == 1:
+            with torch.no_grad():
+                next(net.parameters())[0, 0] = float("inf")
+        _step(net, optimizer, rank, 1)
+        out[f"non_finite {compressor}"] = {
+            "skipped": outer.skipped,
+            "same_as_start": _digest(list(net.parameters())) == start,
+        }
+        outer.close()
 
     # Different options on the last rank.
     net = make_mlp(0)
@@ -123,7 +127,8 @@ def test_diloco_over_three_ranks() -> None:
     assert compressed["groups"][0]["codec"] == "int4" and compressed["groups"][0]["collective"] == "two-shot"
     assert compressed["sent"] < results[0]["none"]["sent"] / 6  # 4.25 bits and scales against 32
 
-    assert all(r["non_finite"] == {"skipped": 1, "same_as_start": True} for r in results)
+    for compressor in ("none", "int4"):
+        assert all(r[f"non_finite {compressor}"] == {"skipped": 1, "same_as_start": True} for r in results)
 
     messages = [r["mismatch"] for r in results]
     assert all(m is not None and "different DiLoCo options" in m and "sync_every=5" in m for m in messages)
