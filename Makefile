@@ -36,7 +36,7 @@ bench-train: $(STAMP)
 # The same for gpt-tiny (19.1M parameters, AdamW).
 bench-train-gpt-tiny: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload gpt-tiny --world 4 --testbed \
-		--strategies ddp,torch-fp16,int4,topk,auto --steps 300 --eval-every 25 \
+		--strategies ddp,torch-fp16,int4,topk,auto --steps 200 --eval-every 25 \
 		--out docs/bench-train-gpt-tiny
 
 # Syncing rarely: DiLoCo every 25 inner steps (fp32 outer gradients), every 50 with int4 ones, and
