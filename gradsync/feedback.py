@@ -212,7 +212,7 @@ class EControl(Feedback):
         return h_mean.clone()
 
 
-class MomentumCorrection(Feedback):
+class MomentumCorrection(ErrorFeedback):
     """Error feedback on the momentum's velocity, not the gradient: DGC's momentum correction (Lin
     et al., "Deep Gradient Compression", ICLR 2018), under the user's own momentum optimizer.
 
@@ -231,15 +231,12 @@ class MomentumCorrection(Feedback):
     feeds back error, in the velocity's terms.
     """
 
-    uses_local = True
-
     def __init__(self, momentum: float = 0.9) -> None:
+        super().__init__()  # e, the residual memory, and the spare p is written into
         self.momentum = check_real("momentum", momentum, 0, 1, "[)", "your optimizer's, e.g. 0.9")
         self.velocity: torch.Tensor | None = None  # u
-        self.error: torch.Tensor | None = None  # e
         self.applied: torch.Tensor | None = None  # D_prev: what the optimizer's buffer holds
         self._velocity_spare: torch.Tensor | None = None
-        self._spare: torch.Tensor | None = None
         self._applied_spare: torch.Tensor | None = None
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
@@ -260,8 +257,7 @@ class MomentumCorrection(Feedback):
         total: torch.Tensor,
         remove_local_: RemoveLocal | None = None,
     ) -> torch.Tensor:
-        residual = remove_local_(p) if remove_local_ is not None else p.sub_(local())
-        self._spare, self.error = self.error, residual
+        super().update(g, p, local, total, remove_local_)  # e <- p - decoded, as residual feedback
         self._velocity_spare, self.velocity = self.velocity, self._velocity_spare
         previous = self._memory("applied", total)
         self._applied_spare = _spare_like(self._applied_spare, total)

@@ -20,12 +20,14 @@ def model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[list[torch.Tensor]]:
+def train(
+    net: nn.Module, optimizer: torch.optim.Optimizer, steps: range, features: int = 8, size: int = 32
+) -> list[list[torch.Tensor]]:
     """Inner steps on seeded batches; the parameters after each step."""
     after = []
     for step in steps:
         generator = torch.Generator().manual_seed(step)
-        x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
+        x, y = torch.randn(size, features, generator=generator), torch.randn(size, 4, generator=generator)
         optimizer.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         optimizer.step()
@@ -148,12 +150,7 @@ def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(comp
         return net, optimizer, outer
 
     def batches(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
-        for step in steps:
-            generator = torch.Generator().manual_seed(step)
-            x, y = torch.randn(16, 128, generator=generator), torch.randn(16, 4, generator=generator)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(net(x), y).backward()
-            optimizer.step()
+        train(net, optimizer, steps, features=128, size=16)
 
     net, optimizer, outer = make()
     batches(net, optimizer, range(12))
