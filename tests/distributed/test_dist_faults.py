@@ -34,17 +34,19 @@ VICTIM = 1
 FAULT_STEP = 4  # past warm-up (2 steps): the codec's own exchange runs
 PG_TIMEOUT_S = 2.0
 
-# family -> (SyncConfig arguments, the collective a survivor's error must name)
+# family -> (SyncConfig arguments, the collectives a survivor's error may name). Two-shot's
+# first collective can complete before the victim dies (its share was already sent), so the
+# survivors then fail in the second.
 FAMILIES = {
-    "allreduce": ({"compressor": "fp16"}, "allreduce"),
-    "vote": ({"compressor": "signsgd"}, "allreduce"),
-    "allgather": ({"compressor": "topk"}, "allgather"),
-    "two_shot": ({"compressor": "int4"}, "all_to_all"),
-    "allgather_sizes": ({"compressor": "threshold", "compressor_args": {"threshold": 0.01}}, "allgather"),
-    "all_to_all": ({"compressor": "topk", "sparse_scheme": "balanced"}, "all_to_all"),
-    "sendrecv": ({"compressor": "topk", "sparse_scheme": "recursive-doubling"}, "sendrecv"),
-    "multi_round": ({"compressor": "powersgd"}, "allreduce"),
-    "sparse_dense": ({"compressor": "topk", "sparse_scheme": "dense"}, "allreduce"),
+    "allreduce": ({"compressor": "fp16"}, ("allreduce",)),
+    "vote": ({"compressor": "signsgd"}, ("allreduce",)),
+    "allgather": ({"compressor": "topk"}, ("allgather",)),
+    "two_shot": ({"compressor": "int4"}, ("all_to_all", "allgather")),
+    "allgather_sizes": ({"compressor": "threshold", "compressor_args": {"threshold": 0.01}}, ("allgather",)),
+    "all_to_all": ({"compressor": "topk", "sparse_scheme": "balanced"}, ("all_to_all",)),
+    "sendrecv": ({"compressor": "topk", "sparse_scheme": "recursive-doubling"}, ("sendrecv",)),
+    "multi_round": ({"compressor": "powersgd"}, ("allreduce",)),
+    "sparse_dense": ({"compressor": "topk", "sparse_scheme": "dense"}, ("allreduce",)),
 }
 FAULTS = ("kill_before_step", "kill_mid_backward", "stall", "forward_error")
 # The fast suite covers every family and every fault once; the whole matrix runs as slow.
@@ -127,7 +129,7 @@ def test_every_survivor_raises_naming_the_exchange_and_applies_nothing(family: s
         pg_timeout_s=PG_TIMEOUT_S,
         may_die=[VICTIM] if fault.startswith("kill") else [],
     )
-    collective = FAMILIES[family][1]
+    collectives = FAMILIES[family][1]
     for rank, result in enumerate(results):
         if rank == VICTIM:
             if fault == "stall":  # woke up to find its peers gone: it must not train on alone
@@ -140,4 +142,4 @@ def test_every_survivor_raises_naming_the_exchange_and_applies_nothing(family: s
         assert result["step"] == FAULT_STEP
         assert result["seconds"] <= PG_TIMEOUT_S + 5, result
         assert result["unchanged"], f"rank {rank} applied a result of the failed step: {raised}"
-        assert f"{collective} of " in raised, raised
+        assert any(f"{name} of " in raised for name in collectives), raised
