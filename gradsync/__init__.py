@@ -12,6 +12,7 @@ Or, syncing rarely, every 50 steps of a plain model's own optimizer (DiLoCo):
 
 from . import compress, feedback
 from .api import register
+from .checkpoint import AllRanks
 from .config import SyncConfig
 from .ddp import hook
 from .diloco import DiLoCo
@@ -19,4 +20,14 @@ from .sync import SyncState
 
 __version__ = "0.1.0"
 
-__all__ = ["DiLoCo", "SyncConfig", "SyncState", "__version__", "compress", "feedback", "hook", "register"]
+__all__ = [
+    "AllRanks",
+    "DiLoCo",
+    "SyncConfig",
+    "SyncState",
+    "__version__",
+    "compress",
+    "feedback",
+    "hook",
+    "register",
+]

@@ -1,40 +1,55 @@
 """What a checkpoint of gradsync's state must be to be loaded: its format and its checks.
 
-A state_dict() is one rank's: its rank, the world size, the step, the config, the model's
-parameter shapes (hashed), its error memories and codec state. full_state_dict() holds every
-rank's. `own_part` takes a rank's part out of either; `problems` says what stops it from being
-loaded into a run, each problem with what to do. Pure functions: SyncState.load_state_dict runs
-them on every rank and refuses on all of them alike.
+A rank's own state holds its rank, the world size, the step, the config, the model's parameter
+shapes (hashed), its error memories and codec state. Its shape changes as training goes (points
+appear after warm-up), and its tensors differ from rank to rank, so a state_dict() is that state
+packed as one opaque entry under the rank's own key: {"format": 3, "rank 1": bytes}. Its shape is
+then fixed from registration on, which torch.distributed.checkpoint needs (it loads into the keys
+of a fresh state, and it deduplicates equal keys across ranks as if they were replicated), and
+every rank's entries merge into one dict: full_state_dict(), for one rank to save for all.
+
+`pack` and `own_part` make and read that form; `problems` says what stops a rank's state from
+being loaded into a run, each problem with what to do. Pure functions: SyncState.load_state_dict
+runs them on every rank and refuses on all of them alike.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-FORMAT = 2  # state_dict's layout; 2: rank, world size, step, config and model recorded and checked
+# state_dict's layout. 2: rank, world size, step, config and model recorded and checked; 3: packed
+# under the rank's key, a fixed shape.
+FORMAT = 3
 KEYS = ("rank", "world_size", "step", "config", "model", "points", "layout", "sparse")
 
 
+def part_key(rank: int) -> str:
+    """The key of rank `rank`'s entry in a state_dict() or full_state_dict()."""
+    return f"rank {rank}"
+
+
+def pack(own: Mapping[str, Any]) -> dict[str, Any]:
+    """A rank's own state (a dict of KEYS, and more) as a state_dict(): one entry, bytes."""
+    buffer = io.BytesIO()
+    torch.save(dict(own), buffer)
+    return {"format": FORMAT, part_key(own["rank"]): buffer.getvalue()}
+
+
 def problems(
-    state: Mapping[str, Any], rank: int, world_size: int, config: Mapping[str, Any], model: str | None
+    state: Mapping[str, Any], world_size: int, config: Mapping[str, Any], model: str | None
 ) -> list[str]:
-    """What is wrong with `state`, a rank's own part, for this run: its `rank` of `world_size`,
+    """What is wrong with `state`, a rank's own part, for this run: its `world_size`,
     its config (as to_dict() gives it) and its model (`digest` of the parameters' shapes)."""
     found = []
     if state["world_size"] != world_size:
         found.append(
             f"it was saved by a run of {state['world_size']} ranks, this run has {world_size}: "
             "error memories and compressor state belong to their ranks; register afresh for a new size"
-        )
-    elif state["rank"] != rank:
-        found.append(
-            f"it is rank {state['rank']}'s state, loaded on rank {rank}: each rank's error memory "
-            "is its own. Save one file per rank (state_dict() on every rank), or one file for all with "
-            "full_state_dict() on every rank"
         )
     if None not in (state["model"], model) and state["model"] != model:
         found.append(
@@ -60,8 +75,9 @@ def problems(
     return found
 
 
-def own_part(state: Any, rank: int, world_size: int) -> tuple[Mapping[str, Any] | None, list[str]]:
-    """This rank's state out of a state_dict() or full_state_dict(), or what is wrong with it."""
+def own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str]]:
+    """Rank `rank`'s own state out of a state_dict() or full_state_dict() (or several ranks'
+    merged), or what is wrong with it."""
     if not isinstance(state, Mapping):
         return None, [f"a gradsync state is a dict from SyncState.state_dict(), got a {type(state).__name__}"]
     if state.get("format") != FORMAT:
@@ -69,17 +85,22 @@ def own_part(state: Any, rank: int, world_size: int) -> tuple[Mapping[str, Any] 
             f"its format is {state.get('format')!r}, not {FORMAT}: it is not a state_dict() of this "
             "gradsync (an older version's, or another object's)"
         ]
-    if "ranks" in state:
-        parts = state["ranks"]
-        if len(parts) != world_size:
-            return None, [f"it holds {len(parts)} ranks' states, this run has {world_size} ranks"]
-        state = parts[rank]
-    missing = sorted(
-        {"rank", "world_size", "step", "config", "model", "points", "layout", "sparse"} - set(state)
-    )
+    held = sorted(int(key.split()[1]) for key in state if key.startswith("rank "))
+    if part_key(rank) not in state:
+        owner = f"rank {held[0]}'s state" if len(held) == 1 else f"the states of ranks {held}"
+        return None, [
+            f"it holds {owner}, loaded on rank {rank}: each rank's error memory is its own. Save one "
+            "file per rank (state_dict() on every rank), or one file for all with full_state_dict() "
+            "on every rank (gradsync.AllRanks(state) gives a framework that saves from rank 0 that)"
+        ]
+    try:
+        own = torch.load(io.BytesIO(state[part_key(rank)]), weights_only=True)
+    except Exception as error:  # damaged bytes: refused like any other bad state, on every rank
+        return None, [f"its entry for rank {rank} cannot be read ({type(error).__name__}: {error})"]
+    missing = sorted(set(KEYS) - set(own))
     if missing:
         return None, [f"it lacks {missing}: not a whole SyncState.state_dict()"]
-    return state, []
+    return own, []
 
 
 def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -98,3 +119,22 @@ def digest(shapes: Sequence[torch.Size]) -> str:
     """A short hash of the parameters' shapes, in model.parameters() order."""
     text = ";".join("x".join(map(str, shape)) for shape in shapes)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class AllRanks:
+    """A SyncState as a framework that saves from rank 0 only needs it: state_dict() gathers every
+    rank's state into one (full_state_dict(): a collective, which such frameworks call on every
+    rank before rank 0 writes), and load_state_dict(), on every rank, takes each rank's own part.
+
+    Example (Accelerate, whose save_state writes custom objects from rank 0 only):
+        >>> accelerator.register_for_checkpointing(gradsync.AllRanks(state))
+    """
+
+    def __init__(self, state: Any) -> None:
+        self.state = state  # a SyncState (not imported: the runtime imports this module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.full_state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.state.load_state_dict(state)

@@ -227,28 +227,18 @@ class SyncState:
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank's resumed run needs to continue the exact same trajectory.
 
-        It is this rank's own: error memories differ from rank to rank. Save one file per rank, or
-        gather every rank's into one with full_state_dict().
+        It is this rank's own (error memories differ from rank to rank), packed as one entry under
+        its rank's key: {"format": 3, "rank <r>": bytes}, a shape fixed from registration on. Save
+        one file per rank; or gather every rank's into one with full_state_dict(); or pass the
+        state itself to torch.distributed.checkpoint (dcp.save({"gradsync": state}, ...)).
         """
-        return {
-            "format": checkpoint.FORMAT,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "step": self.step,
-            "config": self.config.to_dict(),
-            "model": self._shapes_digest,  # the parameters' shapes, hashed: None without a model
-            "points": {index: point.state_dict() for index, point in self.points.items()},
-            "layout": {index: list(params) for index, params in self.layout.items()},
-            "sparse": self.sparse.state_dict(),
-        }
+        return checkpoint.pack(self._own_state())
 
     def full_state_dict(self) -> dict[str, Any]:
-        """Every rank's state_dict() in one, for a checkpoint that one rank saves: a collective,
-        call it on every rank. load_state_dict() takes each rank's own part of it."""
-        return {
-            "format": checkpoint.FORMAT,
-            "ranks": allgather_object(self._comm(), self.state_dict(), collective_device(self._comm())),
-        }
+        """Every rank's state_dict() merged into one, for a checkpoint that one rank saves: a
+        collective, call it on every rank. load_state_dict() takes each rank's own part of it."""
+        parts = allgather_object(self._comm(), self.state_dict(), collective_device(self._comm()))
+        return {key: value for part in parts for key, value in part.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what state_dict() (or full_state_dict()) saved. A collective: call it on every
@@ -256,7 +246,7 @@ class SyncState:
         (another rank's, another step than the other ranks', another config or world size), holds
         a non-finite error memory, or is not a gradsync state at all."""
         comm = self._comm()
-        mine, problems = checkpoint.own_part(state, comm.rank, comm.world_size)
+        mine, problems = checkpoint.own_part(state, comm.rank)
         if mine is not None:
             problems += self._state_problems(mine)
         reports = allgather_object(
@@ -544,12 +534,23 @@ class SyncState:
                 f"exchanged:\n{describe_differences(fingerprints)}\nPass the same SyncConfig on every rank."
             )
 
+    def _own_state(self) -> dict[str, Any]:
+        """This rank's state, unpacked (checkpoint.KEYS)."""
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "step": self.step,
+            "config": self.config.to_dict(),
+            "model": self._shapes_digest,  # the parameters' shapes, hashed: None without a model
+            "points": {index: point.state_dict() for index, point in self.points.items()},
+            "layout": {index: list(params) for index, params in self.layout.items()},
+            "sparse": self.sparse.state_dict(),
+        }
+
     def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
         """What is wrong with this rank's own part of a checkpoint, each with what to do."""
         comm = self._comm()
-        return checkpoint.problems(
-            state, comm.rank, comm.world_size, self.config.to_dict(), self._shapes_digest
-        )
+        return checkpoint.problems(state, comm.world_size, self.config.to_dict(), self._shapes_digest)
 
     def _restore(self, state: Mapping[str, Any]) -> None:
         self.step = state["step"]

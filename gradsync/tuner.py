@@ -259,8 +259,8 @@ class AutoState(SyncState):
             },
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """As SyncState.state_dict(), with the planning so far: the candidates, their times, the
+    def _own_state(self) -> dict[str, Any]:
+        """As SyncState's, with the planning so far: the candidates, their times, the
         plan in use and what is carried into the next step."""
         plan = self.plan.to_dict() if self.plan is not None else None  # type: ignore[attr-defined]
         auto = {
@@ -272,7 +272,7 @@ class AutoState(SyncState):
             "plan": plan,
             "carry": {p: t.clone() for p, t in self._carry.items()},
         }
-        return {**super().state_dict(), "auto": auto}
+        return {**super()._own_state(), "auto": auto}
 
     def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
         problems = super()._state_problems(state)

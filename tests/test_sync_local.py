@@ -331,6 +331,17 @@ def test_a_restored_state_continues_with_bit_identical_outputs(name: str, form: 
     assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
 
 
+def test_the_state_dict_has_one_shape_from_creation_on() -> None:
+    # torch.distributed.checkpoint loads into the keys of a fresh state's state_dict(): the
+    # keys must not grow as training adds error memories.
+    state = new_state(compressor="topk", error_feedback="ef")
+    fresh = state.state_dict()
+    run_steps(state, gradients(WARMUP + 3))
+    trained = state.state_dict()
+    assert trained.keys() == fresh.keys() == {"format", "rank 0"}
+    assert trained["rank 0"] != fresh["rank 0"]
+
+
 def test_a_fresh_state_past_warmup_does_not_continue_identically() -> None:
     # The previous test depends on what the state carries: without it, outputs differ.
     gs = gradients(WARMUP + 4)

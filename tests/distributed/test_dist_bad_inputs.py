@@ -107,8 +107,8 @@ INJECTIONS = {"nan_loss": (1, 0.004), "inf_loss": (2, 0.004), "one_inf_entry": (
 def _memories(state: gradsync.SyncState) -> dict:
     """Every error-memory tensor, by (bucket, name): the feedback's and two-shot's second one."""
     memories = {}
-    for index, point in state.state_dict()["points"].items():
-        named = {**point["feedback"], "shard_error": point["shard_error"]}
+    for index, point in state.points.items():
+        named = {**point.feedback.state_dict(), "shard_error": point.shard_error}
         memories |= {(index, name): v for name, v in named.items() if isinstance(v, torch.Tensor)}
     return memories
 

@@ -25,6 +25,7 @@ from dist_harness import IN_FEATURES, config, ddp, flat_params, make_mlp, run_ra
 from torch import nn
 
 import gradsync
+from gradsync import checkpoint
 
 STEPS = 12
 SAVE_AT = 6
@@ -133,6 +134,7 @@ REFUSALS = {
     "another step's": r"different steps \{0: 4, 1: 3\}",
     "a non-finite memory": r"rank 1: its group 0 feedback error hold NaN or inf",
     "missing keys": r"lacks \['points'\]",
+    "damaged bytes": r"its entry for rank \d cannot be read",
     "a negative step": r"step is -5",
     "another model": r"a model with other parameters",
     "another config": r"resume with the same SyncConfig",
@@ -148,24 +150,20 @@ def bad_checkpoints(rank: int, world_size: int) -> dict:
     train(model, opt, rank, range(3, 4))
     at_4 = state.state_dict()
     everyone = state.full_state_dict()  # every rank's state at step 4, for one file
-    nan = {
-        **at_4,
-        "points": {
-            0: {
-                **at_4["points"][0],
-                "feedback": {"error": at_4["points"][0]["feedback"]["error"] * float("nan")},
-            }
-        },
-    }
+    own, _ = checkpoint.own_part(at_4, rank)  # unpacked, to be damaged
+    error = own["points"][0]["feedback"]["error"]
+    no_points = {k: v for k, v in own.items() if k != "points"}
+    nan = {**own, "points": {0: {**own["points"][0], "feedback": {"error": error * float("nan")}}}}
     bad = {
-        "another rank's": everyone["ranks"][0],
+        "another rank's": {"format": everyone["format"], "rank 0": everyone["rank 0"]},
         "another step's": at_4 if rank == 0 else at_3,
-        "a non-finite memory": nan if rank == 1 else at_4,
-        "missing keys": {k: v for k, v in at_4.items() if k != "points"} if rank == 0 else at_4,
-        "a negative step": {**at_4, "step": -5},
+        "a non-finite memory": checkpoint.pack(nan) if rank == 1 else at_4,
+        "missing keys": checkpoint.pack(no_points) if rank == 0 else at_4,
+        "damaged bytes": {**at_4, f"rank {rank}": at_4[f"rank {rank}"][:-9]},
+        "a negative step": checkpoint.pack({**own, "step": -5}),
         "another model": _run(rank, cfg, None, 0, range(3), model_width=40)[2].state_dict(),
         "another config": _run(rank, config(compressor="qsgd"), None, 0, range(3))[2].state_dict(),
-        "another world size": {**at_4, "world_size": 3},
+        "another world size": checkpoint.pack({**own, "world_size": 3}),
         "not a state": [at_4],
     }
     out = {}
