@@ -77,6 +77,7 @@ def main(out: str) -> None:
     train(accelerator, model, opt, range(SAVE_AT, STEPS))
     results |= {"resumed": flat(model), "resumed_state": own(state, rank)}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    accelerator.end_training()  # destroys the process group: a gloo group left to exit may abort
 
 
 def own(state: gradsync.SyncState, rank: int) -> dict:

@@ -1,0 +1,82 @@
+"""gradsync.comm.Lane: programs issue in the order they were asked for, and the lane's thread
+never outlives the interpreter (a daemon thread killed at finalization often aborts the process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import torch
+from torch.futures import Future
+
+from gradsync.comm import Lane, completed
+
+
+def _lane_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "gradsync-lane"]
+
+
+def test_programs_issue_in_the_order_asked_whether_they_block_or_not() -> None:
+    lane, issued = Lane(), []
+
+    def program(label: str, wait_s: float = 0.0):
+        def run() -> Future:
+            time.sleep(wait_s)
+            issued.append(label)
+            return completed(torch.tensor(len(issued)))
+
+        return run
+
+    futures = [
+        lane.run(program("a", 0.05), blocking=True),  # on the lane's thread: the rest queue behind it
+        lane.run(program("b"), blocking=False),
+        lane.run(program("c", 0.01), blocking=True),
+        lane.run(program("d"), blocking=False),
+    ]
+    lane.drain()
+    assert issued == ["a", "b", "c", "d"]
+    assert [int(f.wait()) for f in futures] == [1, 2, 3, 4]
+    lane.stop()
+
+
+def test_stop_issues_what_is_queued_and_ends_the_thread() -> None:
+    lane, issued = Lane(), []
+
+    def slow() -> Future:
+        time.sleep(0.05)
+        issued.append("slow")
+        return completed(torch.zeros(1))
+
+    future = lane.run(slow, blocking=True)
+    assert lane._thread is not None and lane._thread.is_alive()
+    thread = lane._thread
+    lane.stop()
+    assert issued == ["slow"] and future.done()
+    assert not thread.is_alive()
+    # A stopped lane still runs what it is asked afterwards, on a thread that ends by itself.
+    late = lane.run(slow, blocking=True)
+    late.wait()
+    assert issued == ["slow", "slow"]
+
+
+def test_no_lane_thread_is_left_when_the_interpreter_exits() -> None:
+    # An exit handler registered before gradsync's runs after it (they run last in, first out):
+    # it sees which threads gradsync left for the interpreter's finalization to kill.
+    script = textwrap.dedent(
+        """
+        import atexit, threading
+        atexit.register(lambda: print("left:", sorted(t.name for t in threading.enumerate())))
+        import torch
+        from gradsync.comm import Lane, completed
+        lane = Lane()
+        lane.run(lambda: completed(torch.zeros(1)), blocking=True).wait()
+        print("alive:", [t.name for t in threading.enumerate()])
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "gradsync-lane" in done.stdout.split("alive:")[1].splitlines()[0], done.stdout
+    assert "left: ['MainThread']" in done.stdout, done.stdout
