@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plans", ("plan",)),
     ("planning", ("sim.", "planner", "schedule", "autoplan")),
     ("measure", ("profile", "profile.")),
-    ("entry", ("tuner", "api", "")),  # "": the package itself, gradsync/__init__.py
+    ("entry", ("tuner", "api", "", "lightning")),  # "": the package itself, gradsync/__init__.py
     ("tools", ("cli", "cli.", "__main__", "bench.", "testbed", "testbed.", "workloads.", "demo")),
 ]
 

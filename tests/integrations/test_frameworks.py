@@ -1,8 +1,15 @@
-"""Accelerate with gradsync, as a user's script runs it (tests/integrations/accelerate_script.py,
-under torchrun on 2 CPU ranks): prepare, register on the prepared model, bf16, gradient
-accumulation, and save_state / load_state through gradsync.AllRanks resuming bit for bit.
+"""gradsync where users already train, each framework's script run as a user runs it, under
+torchrun on 2 CPU ranks (gloo), with the real package (gradsync's `accelerate` and `lightning`
+extras):
 
-Accelerate saves registered objects from rank 0 only. A state saved that way by state_dict()
+  accelerate_script.py  prepare, register on the prepared model, bf16, gradient accumulation,
+                        save_state / load_state through gradsync.AllRanks;
+  lightning_script.py   Trainer(strategy="ddp") with gradsync.lightning.GradSync, a checkpoint
+                        saved at step 8 and fit(ckpt_path=...) from it.
+
+Each trains 16 steps without a break, and 8 + a resume into a fresh model (initialized
+differently) + 8: parameters and gradsync's own state must be bit-identical at step 16 on every
+rank. Both frameworks write checkpoints from rank 0 only. A state saved that way by state_dict()
 would hold rank 0's error memories alone: the ranks' memories differ (checked), so a resume that
 gave rank 1 rank 0's memory would leave the trajectory, and one that dropped the state would be at
 step 8, not 16.
@@ -19,9 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("accelerate", reason="the accelerate extra: pip install -e '.[accelerate]'")
-
-SCRIPT = Path(__file__).with_name("accelerate_script.py")
+HERE = Path(__file__).parent
 
 
 def torchrun(script: Path, *args: str, timeout_s: float = 240) -> None:
@@ -45,8 +50,12 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def test_save_state_and_load_state_resume_bit_for_bit(tmp_path: Path) -> None:
-    torchrun(SCRIPT, str(tmp_path))
+@pytest.mark.parametrize(
+    ("package", "script"), [("accelerate", "accelerate_script.py"), ("lightning", "lightning_script.py")]
+)
+def test_a_framework_checkpoint_resumes_bit_for_bit(package: str, script: str, tmp_path: Path) -> None:
+    pytest.importorskip(package, reason=f"the {package} extra: pip install -e '.[{package}]'")
+    torchrun(HERE / script, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for rank, out in enumerate(ranks):
         assert out["compression_ratio"] > 4, f"rank {rank}: gradsync did not compress: {out}"

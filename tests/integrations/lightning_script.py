@@ -1,0 +1,92 @@
+"""A user's Lightning training script with gradsync's callback, run by
+tests/integrations/test_lightning.py under torchrun on 2 CPU ranks (strategy="ddp", gloo).
+
+In one launch it fits 16 steps (2 epochs) without a break, ModelCheckpoint saving at each epoch's
+end, then fits a fresh module (initialized differently) from the first epoch's checkpoint, at step 8,
+to step 16. The data is drawn from the rank and the step, not from the loader: Lightning's own
+resume from an epoch's end checkpoint does not replay the loader's order exactly (with plain
+DDP too), which is not what this tests. Each rank writes to
+OUT/rank<r>.pt the parameters and gradsync's own state (its error memories) after both runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gradsync
+from gradsync.lightning import GradSync
+
+STEPS, EPOCH, BATCH = 16, 8, 16
+
+
+class Net(pl.LightningModule):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 8))
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1_000_003 * (self.global_rank + 1) + self.global_step)
+        x, y = torch.randn(BATCH, 64, generator=generator), torch.randint(8, (BATCH,), generator=generator)
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def data() -> DataLoader:
+    # An epoch is EPOCH steps on each of 2 ranks; the samples are indices, unused.
+    return DataLoader(TensorDataset(torch.arange(2 * EPOCH * BATCH)), batch_size=BATCH, shuffle=False)
+
+
+def fit(out: str, seed: int, ckpt: str | None = None) -> tuple[Net, GradSync]:
+    callback = GradSync(gradsync.SyncConfig(min_compress_numel=0))  # small model: compress it all
+    every_epoch = ModelCheckpoint(
+        dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=STEPS,
+        callbacks=[callback, every_epoch],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Net(seed)
+    trainer.fit(module, data(), ckpt_path=ckpt)
+    return module, callback
+
+
+def main(out: str) -> None:
+    rank = int(os.environ["RANK"])
+    module, callback = fit(out, seed=0)
+    results = {"continuous": flat(module), "continuous_state": own(callback.state, rank)}
+    results["compression_ratio"] = callback.state.stats()["last_step"]["compression_ratio"]
+    module, callback = fit(os.path.join(out, "resumed"), seed=1, ckpt=os.path.join(out, "epoch=0.ckpt"))
+    results |= {"resumed": flat(module), "resumed_state": own(callback.state, rank)}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def own(state: gradsync.SyncState, rank: int) -> dict:
+    """This rank's gradsync state, unpacked: step, error memories, codec state."""
+    return gradsync.checkpoint.own_part(state.state_dict(), rank)[0]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
