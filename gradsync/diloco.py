@@ -5,7 +5,9 @@ outer gradient (global parameters minus local ones) goes through the same path a
 gradients (SyncState.sync: error memory, codec, collective, decode), and an outer optimizer
 (Nesterov momentum SGD, DiLoCo's defaults) steps the global parameters, which every rank loads.
 
-Streaming DiLoCo: the parameters are cut into `fragments`, synced at staggered inner steps; each
+Streaming DiLoCo: the parameters, flattened in order, are cut into `fragments` ranges of equal
+size (a range may start or end inside a tensor, so that no fragment is larger than its share and
+the peak of one sync is 1/fragments of DiLoCo's), synced at staggered inner steps; each
 fragment's exchange flies while the next `delay` inner steps run, and the new global fragment is
 mixed into the local one as alpha * local + (1 - alpha) * global.
 
@@ -39,7 +41,7 @@ from .sync import SyncState, collective_device, describe_differences
 
 log = logging.getLogger("gradsync")
 
-FORMAT = 1  # state_dict's layout
+FORMAT = 2  # state_dict's layout; 2: global parameters and outer momentum per fragment
 # DiLoCo's defaults, for the tools that name its options in text (bench, simulate); the same as
 # the constructor's (a test checks).
 DEFAULTS = {
@@ -50,6 +52,18 @@ DEFAULTS = {
     "delay": 0,
     "alpha": 0.0,
 }
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A range of the flattened parameters, synced at inner step `step` (mod sync_every)."""
+
+    step: int
+    pieces: tuple[tuple[int, int, int], ...]  # (tensor position, first element, end element)
+
+    @property
+    def numel(self) -> int:
+        return sum(end - start for _, start, end in self.pieces)
 
 
 @dataclass
@@ -111,7 +125,8 @@ class DiLoCo:
         params = [p for p in model.parameters() if p.requires_grad]
         self._check_optimizer(inner_optimizer, params)
         self.options = check_options(sync_every, outer_lr, outer_momentum, fragments, delay, alpha)
-        check_int("fragments", fragments, 1, len(params), why="at most one per trainable tensor of the model")
+        sizes = [p.numel() for p in params]
+        check_int("fragments", fragments, 1, sum(sizes), why="at most one per element of the model")
         self.sync_every, self.delay, self.alpha = sync_every, delay, float(alpha)
         # warmup_steps=0: unlike DDP's buckets, a fragment's layout is fixed from the first sync.
         config = SyncConfig(
@@ -127,12 +142,14 @@ class DiLoCo:
         self.sync_state = SyncState(config, comm, model)
         self._params = params
         self._broadcast_from_first(model, comm, process_group)
-        # fp32 at least: a bf16 model's outer gradient and momentum would lose what inner steps add.
-        self._global = [p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in params]
+        self._fragments = cut(sizes, fragments, sync_every)
+        # The global parameters, one flat tensor per fragment, in fp32 at least: a bf16 model's
+        # outer gradient and momentum would lose what inner steps add. The outer optimizer steps a
+        # fragment's tensor alone (the others have no gradient then).
+        self._global = [self._local(f).to(_global_dtype(params, f), copy=True) for f in self._fragments]
         self._outer = torch.optim.SGD(
             self._global, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
         )
-        self._fragments = cut([p.numel() for p in params], fragments, sync_every)
         self.step = 0  # inner steps taken
         self.skipped = 0  # syncs skipped on every rank for a non-finite outer gradient
         self._pending: dict[int, _Pending] = {}
@@ -148,10 +165,14 @@ class DiLoCo:
         self._apply_due(until=None)
 
     def global_parameters(self) -> list[torch.Tensor]:
-        """The global parameters, the same on every rank, in the order of the model's trainable
-        parameters: the model to evaluate or keep (between syncs the local ones differ per rank).
-        Read them; writing them changes the next outer gradient."""
-        return list(self._global)
+        """A copy of the global parameters, the same on every rank, shaped as the model's trainable
+        parameters and in their order: the model to evaluate or keep (between syncs the local
+        ones differ per rank)."""
+        out = [p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self._params]
+        for fragment, flat in zip(self._fragments, self._global, strict=True):
+            for (i, start, end), part in zip(fragment.pieces, _split(flat, fragment), strict=True):
+                out[i].view(-1)[start:end] = part
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Inner steps, syncs and skipped syncs; bytes and seconds of the outer exchanges as
@@ -217,8 +238,8 @@ class DiLoCo:
 
     def _after_inner_step(self) -> None:
         self.step += 1
-        for index, (offset, _) in enumerate(self._fragments):
-            if self.step % self.sync_every == offset:
+        for index, fragment in enumerate(self._fragments):
+            if self.step % self.sync_every == fragment.step:
                 self._start(index)
         self._apply_due(until=self.step)
 
@@ -231,8 +252,7 @@ class DiLoCo:
     @torch.no_grad()
     def _start(self, index: int) -> None:
         """Issue fragment `index`'s exchange: its outer gradient, global minus local, averaged."""
-        _, members = self._fragments[index]
-        outer_gradient = torch.cat([(self._global[i] - self._params[i]).reshape(-1) for i in members])
+        outer_gradient = self._global[index] - self._local(self._fragments[index])
         # Not drained: with a delay, the exchange goes on issuing beside the next inner steps.
         future = self.sync_state.sync(outer_gradient, index, is_last=True, drain=False)
         self._pending[index] = _Pending(self.step + self.delay, future)
@@ -241,15 +261,12 @@ class DiLoCo:
     def _apply(self, index: int, average: torch.Tensor) -> None:
         """The outer step on fragment `index`, then the new global parameters mixed into the local
         ones. A non-finite average (every rank decodes the same one) skips the step on every rank."""
-        _, members = self._fragments[index]
+        fragment, glob = self._fragments[index], self._global[index]
         finite = bool(torch.isfinite(average).all())
         if finite:
-            parts = average.split([self._global[i].numel() for i in members])
-            for i, part in zip(members, parts, strict=True):
-                self._global[i].grad = part.view_as(self._global[i]).to(self._global[i].dtype)
+            glob.grad = average.to(glob.dtype)
             self._outer.step()
-            for i in members:
-                self._global[i].grad = None
+            glob.grad = None
         else:
             self.skipped += 1
             log.warning(
@@ -257,12 +274,17 @@ class DiLoCo:
                 "skipped on every rank, local parameters reset to the global ones",
                 *(index, self.step),
             )
-        for i in members:
-            local, glob = self._params[i], self._global[i]
+        for (i, start, end), part in zip(fragment.pieces, _split(glob, fragment), strict=True):
+            local = self._params[i].view(-1)[start:end]
             if self.alpha == 0.0 or not finite:
-                local.copy_(glob)  # exactly the global parameters (a lerp could round them)
+                local.copy_(part)  # exactly the global parameters (a lerp could round them)
             else:
-                local.lerp_(glob, 1.0 - self.alpha)
+                local.lerp_(part.to(local.dtype), 1.0 - self.alpha)
+
+    def _local(self, fragment: Fragment) -> torch.Tensor:
+        """The fragment's local parameters, flat (a fresh tensor)."""
+        pieces = [self._params[i].detach().view(-1)[start:end] for i, start, end in fragment.pieces]
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -341,16 +363,32 @@ def check_options(
     }  # fmt: skip
 
 
-def cut(sizes: Sequence[int], fragments: int, sync_every: int) -> list[tuple[int, list[int]]]:
-    """`fragments` runs of consecutive tensors (positions in `sizes`, their element counts) of about
-    equal size, each with the inner step (mod `sync_every`) it syncs at, staggered evenly over a
-    round: f * H // fragments. Pure: the simulator cuts the same way."""
-    total, seen, runs = sum(sizes), 0, [[]]
-    for i, size in enumerate(sizes):
-        to_open = fragments - len(runs)
-        full = seen >= len(runs) * total / fragments
-        if runs[-1] and to_open > 0 and (full or to_open >= len(sizes) - i):
-            runs.append([])
-        runs[-1].append(i)
-        seen += size
-    return [(f * sync_every // fragments, run) for f, run in enumerate(runs)]
+def cut(sizes: Sequence[int], fragments: int, sync_every: int) -> list[Fragment]:
+    """The tensors (of `sizes` elements, in order), flattened end to end, cut into `fragments`
+    ranges of equal size (to one element), each with the inner step (mod `sync_every`) it syncs
+    at, staggered evenly over a round: f * H // fragments. Pure: the simulator cuts the same way."""
+    total = sum(sizes)
+    bounds = [f * total // fragments for f in range(fragments + 1)]
+    starts = list(itertools.accumulate(sizes, initial=0))  # each tensor's first flat element
+    out = []
+    for f in range(fragments):
+        lo, hi = bounds[f], bounds[f + 1]
+        pieces = tuple(
+            (i, max(lo, first) - first, min(hi, first + size) - first)
+            for i, (first, size) in enumerate(zip(starts, sizes, strict=False))
+            if first < hi and lo < first + size
+        )
+        out.append(Fragment(f * sync_every // fragments, pieces))
+    return out
+
+
+def _split(flat: torch.Tensor, fragment: Fragment) -> tuple[torch.Tensor, ...]:
+    """A fragment's flat tensor as its pieces, views."""
+    return flat.split([end - start for _, start, end in fragment.pieces])
+
+
+def _global_dtype(params: Sequence[torch.Tensor], fragment: Fragment) -> torch.dtype:
+    dtype = torch.float32
+    for i, _, _ in fragment.pieces:
+        dtype = torch.promote_types(dtype, params[i].dtype)
+    return dtype

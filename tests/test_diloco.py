@@ -66,33 +66,32 @@ def test_local_sgd_in_a_world_of_one_is_plain_training() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # global - (global - local): rounding only
 
 
-def test_fragments_cover_every_tensor_once_in_order_staggered_over_the_round() -> None:
-    net = nn.Sequential(*[nn.Linear(10, 10) for _ in range(5)])  # 10 tensors
-    parts = cut([p.numel() for p in net.parameters()], 3, 12)
-    assert [offset for offset, _ in parts] == [0, 4, 8]
-    assert [i for _, run in parts for i in run] == list(range(10))
-    assert all(run for _, run in parts)
-    sizes = [sum(list(net.parameters())[i].numel() for i in run) for _, run in parts]
-    assert max(sizes) - min(sizes) <= 110  # about equal: within one weight and bias
-    # As many fragments as tensors: one each, even where sizes are lopsided.
-    assert [run for _, run in cut([1000, 1, 1], 3, 3)] == [[0], [1], [2]]
+def test_fragments_cover_every_element_once_in_order_in_equal_ranges_staggered_over_the_round() -> None:
+    sizes = [100, 10, 100, 10, 7000, 70, 3]  # lopsided: one tensor holds most elements
+    parts = cut(sizes, 3, 12)
+    assert [f.step for f in parts] == [0, 4, 8]
+    flat = [(i, e) for f in parts for i, start, end in f.pieces for e in range(start, end)]
+    assert flat == [(i, e) for i, size in enumerate(sizes) for e in range(size)]  # once, in order
+    assert max(f.numel for f in parts) - min(f.numel for f in parts) <= 1
+    # The big tensor is split between fragments: none is larger than its share.
+    assert [i for i, _, _ in parts[1].pieces] == [4]
+    # One element each, as many fragments as elements.
+    assert [f.pieces for f in cut([2, 1], 3, 3)] == [((0, 0, 1),), ((0, 1, 2),), ((1, 0, 1),)]
 
 
 def test_streaming_fragments_sync_at_their_own_steps_and_a_delay_applies_later() -> None:
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     outer = gradsync.DiLoCo(net, optimizer, sync_every=4, fragments=2, delay=1)
-    fragments = [run for _, run in outer._fragments]
     syncs, loaded = [], []
     for step in range(1, 9):
         train(net, optimizer, range(step, step + 1))
         syncs.append(outer.stats()["step"])
-        local = list(net.parameters())
         loaded.append(
             [
                 f
-                for f, run in enumerate(fragments)
-                if all(torch.equal(local[i], outer._global[i]) for i in run)
+                for f, fragment in enumerate(outer._fragments)
+                if torch.equal(outer._local(fragment), outer._global[f])
             ]
         )
     # Fragment 1 starts at steps 2 and 6, fragment 0 at 4 and 8; each is applied (the local
@@ -139,7 +138,8 @@ def test_a_non_finite_outer_gradient_skips_the_sync_and_resets_to_the_global_par
 @pytest.mark.parametrize("compressor", ["none", "int8"])
 def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(compressor: str) -> None:
     def make() -> tuple[nn.Module, torch.optim.Optimizer, gradsync.DiLoCo]:
-        net = nn.Sequential(nn.Linear(128, 160), nn.Tanh(), nn.Linear(160, 4))  # int8 compresses the first
+        # Each of 2 fragments is over min_compress_numel: int8 compresses both.
+        net = nn.Sequential(nn.Linear(256, 160), nn.Tanh(), nn.Linear(160, 4))
         torch.manual_seed(1)
         for p in net.parameters():
             nn.init.normal_(p, std=0.1)
@@ -150,7 +150,7 @@ def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(comp
         return net, optimizer, outer
 
     def batches(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
-        train(net, optimizer, steps, features=128, size=16)
+        train(net, optimizer, steps, features=256, size=16)
 
     net, optimizer, outer = make()
     batches(net, optimizer, range(12))
@@ -245,11 +245,11 @@ def test_a_state_of_other_options_is_refused_and_nothing_is_loaded() -> None:
         other.load_state_dict(saved)
     assert "nothing was loaded" in str(excinfo.value)
     assert other.step == 0 and all(
-        torch.equal(g, p) for g, p in zip(other._global, other_net.parameters(), strict=True)
+        torch.equal(g, p) for g, p in zip(other.global_parameters(), other_net.parameters(), strict=True)
     )
     with pytest.raises(ValueError, match="not a gradsync DiLoCo state"):
         other.load_state_dict({"points": {}})
     with pytest.raises(ValueError, match=r"keys \['step'"):
-        other.load_state_dict({"format": 1})
+        other.load_state_dict({"format": 2})
     with pytest.raises(ValueError, match="not a gradsync DiLoCo state"):
         other.load_state_dict(["not", "a", "mapping"])  # type: ignore[arg-type]

@@ -17,16 +17,19 @@ def table(document: dict[str, Any]) -> str:
     """The comparison as a Markdown table, one row per strategy, with the run's conditions."""
     lines = [
         "| strategy | step median (s) | step p90 (s) | speed-up | samples/s | MB sent/step | "
-        "wire MB/step | final eval loss | time to target (s) | TTT speed-up |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "peak MB/step | wire MB/step | final eval loss | time to target (s) | TTT speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    steady = document["meta"]["steady_from"]
     for r in document["runs"]:
+        peak = max(r["sent_nbytes"][steady:], default=0)
         wire = _number(r["wire_bytes_per_step"], 1e-6, ".2f")
         ttt = _number(r["time_to_target_s"], 1, ".1f", missing="not reached")
         lines.append(
             f"| {r['label']} | {r['step_median_s']:.3f} | {r['step_p90_s']:.3f} | "
             f"{_times(r.get('step_speedup'))} | {r['samples_per_s']:.1f} | {r['bytes_per_step'] / 1e6:.2f} | "
-            f"{wire} | {r['final_loss']:.4f} | {ttt} | {_times(r.get('time_to_target_speedup'))} |"
+            f"{peak / 1e6:.2f} | {wire} | {r['final_loss']:.4f} | {ttt} | "
+            f"{_times(r.get('time_to_target_speedup'))} |"
         )
     return "\n".join(lines) + "\n\n" + conditions(document)
 
@@ -86,7 +89,8 @@ def conditions(document: dict[str, Any]) -> str:
         f"{options['steps'] - meta['steady_from']} steps from step {meta['steady_from']} on (after the "
         "fp32 warm-up). "
         "samples/s and MB sent/step are means over those steps; MB sent/step: bytes each rank hands "
-        "to the network per step by the algorithm's count; wire "
+        "to the network per step by the algorithm's count; peak MB/step: the most of them in one "
+        "step; wire "
         "MB/step: bytes its interface transmitted (testbed only, TCP/IP included). "
         + (
             f"Target: DDP's final eval loss x (1 + {meta['tolerance']:g}) = {target:.4f}; time to target "

@@ -68,7 +68,7 @@ def simulate(compute: Compute, cluster: Cluster, text: str) -> Result:
     what of it stalls training, and the bytes of the largest fragment (the peak of one step)."""
     outer = parse(text)
     fragments = cut(compute.numels, outer.fragments, outer.sync_every)
-    numels = [sum(compute.numels[i] for i in run) for _, run in fragments]
+    numels = [fragment.numel for fragment in fragments]
     exchange_s = [sum(p.seconds for p in phases(outer.exchange, n, cluster)) for n in numels]
     overlap_s = outer.delay * compute.step_s  # the inner steps an exchange in flight runs beside
     exposed_s = [max(0.0, s - overlap_s) for s in exchange_s]
