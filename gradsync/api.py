@@ -16,19 +16,22 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import compress, fsdp
 from .comm import TorchComm
 from .compress.base import check_int
-from .config import AUTO_PLAN, SyncConfig
+from .config import AUTO_PLAN, NO_COMPRESSION, SyncConfig
 from .ddp import hook
 from .plan import Plan
+from .strategy import shards
 from .sync import SyncState
 from .tuner import AutoState, auto_hook
 
 log = logging.getLogger("gradsync")
 
 
-def register(model: DistributedDataParallel, config: SyncConfig | None = None) -> SyncState:
-    """Install gradsync's communication hook on a DDP model and return its state.
+def register(model: nn.Module, config: SyncConfig | None = None) -> SyncState:
+    """Install gradsync's communication hook on a DDP model and return its state. On an FSDP2
+    model (fully_shard), gradsync becomes its gradient reduce-scatter instead (gradsync.fsdp).
 
     Call it once, on every rank, before the first backward pass, with the same config.
 
@@ -37,15 +40,18 @@ def register(model: DistributedDataParallel, config: SyncConfig | None = None) -
         >>> state = gradsync.register(model, gradsync.SyncConfig(compressor="topk",
         ...                           compressor_args={"ratio": 0.01}, error_feedback="ef"))
     """
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(
-            f"gradsync.register expects a torch.nn.parallel.DistributedDataParallel model, got "
-            f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
-        )
     if config is None:
         config = SyncConfig()
     if not isinstance(config, SyncConfig):
         raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
+    if fsdp.is_sharded(model):
+        return _register_sharded(model, config)
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"gradsync.register expects a torch.nn.parallel.DistributedDataParallel model or one "
+            f"sharded by fully_shard, got {type(model).__name__}; wrap it first: "
+            "DistributedDataParallel(model)"
+        )
     check_int("warmup_steps", config.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
     comm = TorchComm(model.process_group)
     if config.plan == AUTO_PLAN:
@@ -66,6 +72,24 @@ def register(model: DistributedDataParallel, config: SyncConfig | None = None) -
         state.close()  # nothing of gradsync stays behind on a model it could not be installed on
         raise
     log.info("gradsync registered on rank %d of %d: %s", comm.rank, comm.world_size, config)
+    return state
+
+
+def _register_sharded(model: nn.Module, config: SyncConfig) -> SyncState:
+    if config.plan is not None:
+        raise ValueError(
+            f"SyncConfig(plan={config.plan!r}) on an FSDP2 model: plans group DDP's buckets, and FSDP "
+            "groups gradients by fully_shard-ed module; drop plan"
+        )
+    codec = compress.lookup(config.compressor) if config.compressor != NO_COMPRESSION else None
+    if codec is not None and not shards(codec):
+        raise ValueError(
+            f"SyncConfig(compressor={config.compressor!r}) on an FSDP2 model: its reduce-scatter needs "
+            "fixed-size dense payloads that an owner can decode and sum per shard; use fp16, bf16, int8, "
+            "int4 or another such codec (gradsync list)"
+        )
+    state = fsdp.register(model, config)
+    log.info("gradsync registered on FSDP2, rank %d of %d: %s", state.rank, state.world_size, config)
     return state
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.futures import Future
@@ -457,27 +458,11 @@ def _two_shot(
     """Every shard encoded and sent to its owner; the owners' sums encoded again and allgathered.
     Waits for the all_to_all before it can encode the sum: runs on the lane's thread."""
     clock = _Clock()
-    flat, mine = x.view(-1), comm.rank
-    bounds = shard_bounds(flat.numel(), comm.world_size)
-    frames, layouts, ctxs = [], [], []
-    for start, end in bounds:  # framing copies each payload before the next compress can reuse scratch
-        payload, ctx = codec.compress(flat[start:end])
-        frames.append(framed([t.reshape(-1).view(torch.uint8) for t in payload], finite))
-        layouts.append([(t.dtype, t.shape) for t in payload])
-        ctxs.append(ctx)
-    clock.lap("compress")
-    # Fixed-size payloads: a shard's payload has the same layout on every rank.
-    received = comm.all_to_all(frames, [frames[mine].numel()] * comm.world_size).wait()
-    clock.lap("communicate")
-    start, end = bounds[mine]
-    summed = torch.zeros(end - start, dtype=x.dtype, device=x.device)
-    payloads = [from_bytes(frame, layouts[mine]) for frame in received]
-    ok = all(frame[-1] == 0 for frame in received) and all(_all_finite(p) for p in payloads)
-    if ok and comm.world_size > 1:
-        for payload in payloads:  # rank order: the owner's sum has the same bits on every run
-            codec.add_decoded_(summed, payload, ctxs[mine])
-        if shard_error is not None:
-            summed.add_(shard_error)
+    mine = comm.rank
+    bounds = shard_bounds(x.numel(), comm.world_size)
+    summed, ok, frames, layouts, ctxs, payloads = _to_owners(codec, x.view(-1), comm, bounds, finite, clock)
+    if ok and shard_error is not None and comm.world_size > 1:
+        summed.add_(shard_error)
     alone = comm.world_size == 1  # a shard of one rank's payload: forwarded as it is, not re-encoded
     if alone:
         payload, residual = payloads[0], None
@@ -520,6 +505,67 @@ def _two_shot(
         return Exchanged("two-shot", None, total, local, True, payload_nbytes, sent, clock.seconds, subtract)
 
     return then(comm.allgather(frame), done, frame.device)
+
+
+def reduce_scatter(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool) -> Exchanged:
+    """A reduce-scatter of `x` (world_size equal shards, in rank order), each shard encoded and
+    sent to the rank that owns it, which decodes and sums them in rank order: two-shot's first
+    half, FSDP's gradient reduction. `total` is this rank's shard of the sum. Blocks."""
+    clock = _Clock()
+    bounds = shard_bounds(x.numel(), comm.world_size)
+    summed, ok, frames, layouts, ctxs, payloads = _to_owners(codec, x.view(-1), comm, bounds, finite, clock)
+    if comm.world_size == 1:
+        codec.add_decoded_(summed, payloads[0], ctxs[0])  # the one rank's own payload
+    clock.lap("decompress")
+    nbytes = sum(layout_nbytes(layouts[0]))
+    sent = sum(f.numel() for rank, f in enumerate(frames) if rank != comm.rank)
+    own = [from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
+
+    def local() -> torch.Tensor:
+        return torch.cat([codec.decompress(p, c).view(-1) for p, c in zip(own, ctxs, strict=True)]).view(
+            x.shape
+        )
+
+    def subtract(t: torch.Tensor) -> torch.Tensor:
+        for (lo, hi), p, c in zip(bounds, own, ctxs, strict=True):
+            codec.sub_decoded_(t.view(-1)[lo:hi], p, c)
+        return t
+
+    if not ok:
+        return Exchanged("reduce-scatter", None, None, _not_finite, False, nbytes, sent, clock.seconds)
+    return Exchanged("reduce-scatter", None, summed, local, True, nbytes, sent, clock.seconds, subtract)
+
+
+def _to_owners(
+    codec: Compressor,
+    flat: torch.Tensor,
+    comm: Comm,
+    bounds: list[tuple[int, int]],
+    finite: bool,
+    clock: _Clock,
+) -> tuple[torch.Tensor, bool, list[torch.Tensor], list[Any], list[object], list[Payload]]:
+    """Each shard of `flat` encoded and sent to its owner by one all_to_all; the owner's sum of the
+    decoded shards it received (zero where any was not finite), whether all were finite, and this
+    rank's frames, payload layouts, contexts and the payloads received."""
+    mine = comm.rank
+    frames, layouts, ctxs = [], [], []
+    for start, end in bounds:  # framing copies each payload before the next compress can reuse scratch
+        payload, ctx = codec.compress(flat[start:end])
+        frames.append(framed([t.reshape(-1).view(torch.uint8) for t in payload], finite))
+        layouts.append([(t.dtype, t.shape) for t in payload])
+        ctxs.append(ctx)
+    clock.lap("compress")
+    # Fixed-size payloads: a shard's payload has the same layout on every rank.
+    received = comm.all_to_all(frames, [frames[mine].numel()] * comm.world_size).wait()
+    clock.lap("communicate")
+    start, end = bounds[mine]
+    summed = torch.zeros(end - start, dtype=flat.dtype, device=flat.device)
+    payloads = [from_bytes(frame, layouts[mine]) for frame in received]
+    ok = all(frame[-1] == 0 for frame in received) and all(_all_finite(p) for p in payloads)
+    if ok and comm.world_size > 1:
+        for payload in payloads:  # rank order: the owner's sum has the same bits on every run
+            codec.add_decoded_(summed, payload, ctxs[mine])
+    return summed, ok, frames, layouts, ctxs, payloads
 
 
 # -- helpers -------------------------------------------------------------------------------------

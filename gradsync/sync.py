@@ -302,7 +302,7 @@ class SyncState:
         guard = not (
             type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
         )
-        finite = not guard or _is_finite(x)
+        finite = not guard or is_finite(x)
         # p: what is compressed, from this rank's share x / n (the division first: low-precision
         # sums cannot overflow); error memory added. A non-finite gradient never enters a memory.
         p = point.feedback.prepare(x, comm.world_size) if finite else x
@@ -412,16 +412,20 @@ class SyncState:
         point: CompressionPoint | None,
         started: float,
         shown: bool = True,
+        reference_nbytes: int | None = None,
     ) -> torch.Tensor:
         """Trace one group's exchange and, where `shown`, keep it for stats()["groups"]; returns
-        `out`."""
+        `out`. `reference_nbytes`: what the uncompressed collective would send (default: an fp32
+        allreduce of `out`)."""
         numel, n = out.numel(), self._comm().world_size
+        if reference_nbytes is None:
+            reference_nbytes = allreduce_sent_nbytes(4 * numel, n)
         codec = NO_COMPRESSION if point is None else _registry_name(compress.REGISTRY, point.codec)
         seconds = result.seconds
         communicate_s = seconds.get("communicate", time.perf_counter() - started)
         self.trace.record(
             GroupRecord(step, group, numel, codec, result.collective, result.scheme, result.payload_nbytes,
-                        result.sent_nbytes, allreduce_sent_nbytes(4 * numel, n), seconds.get("compress", 0.0),
+                        result.sent_nbytes, reference_nbytes, seconds.get("compress", 0.0),
                         communicate_s, seconds.get("decompress", 0.0))
         )  # fmt: skip
         if not shown:
@@ -615,7 +619,7 @@ def describe_differences(fingerprints: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _is_finite(t: torch.Tensor) -> bool:
+def is_finite(t: torch.Tensor) -> bool:
     # One reduction pass instead of an isfinite() mask; a sum that overflows is checked exactly.
     if bool(torch.isfinite(t.sum(dtype=torch.float32))):
         return True

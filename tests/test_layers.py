@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "runtime",
         (
             *("comm", "sparse.", "strategy", "feedback", "config", "trace", "regroup", "exchange"),
-            *("checkpoint", "sync", "ddp", "diloco"),
+            *("checkpoint", "sync", "ddp", "fsdp", "diloco"),
         ),
     ),
     ("plans", ("plan",)),

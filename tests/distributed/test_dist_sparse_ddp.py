@@ -63,7 +63,7 @@ def train(rank: int, sparse_grad: bool, config: gradsync.SyncConfig | None) -> t
         nn.functional.cross_entropy(ddp(words), targets).backward()
         optimizer.step()
     params = [p.detach().clone() for p in model.parameters()]
-    return params, None if state is None else {"stats": state.stats(), "saved": state.state_dict()}
+    return params, None if state is None else {"stats": state.stats(), "saved": state._own_state()}
 
 
 def training_worker(rank: int, world_size: int) -> dict:
