@@ -88,6 +88,13 @@ def _register_sharded(model: nn.Module, config: SyncConfig) -> SyncState:
             "fixed-size dense payloads that an owner can decode and sum per shard; use fp16, bf16, int8, "
             "int4 or another such codec (gradsync list)"
         )
+    form = config.feedback_for(config.compressor)
+    if form not in fsdp.FEEDBACK:
+        raise ValueError(
+            f"SyncConfig(error_feedback={config.error_feedback!r}) gives {form!r} on an FSDP2 model, "
+            f"whose ranks each hold one shard of the sum that {form!r} would mirror whole; use one of "
+            f"{fsdp.FEEDBACK}"
+        )
     state = fsdp.register(model, config)
     log.info("gradsync registered on FSDP2, rank %d of %d: %s", state.rank, state.world_size, config)
     return state

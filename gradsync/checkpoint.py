@@ -33,11 +33,13 @@ def part_key(rank: int) -> str:
     return f"rank {rank}"
 
 
-def pack(own: Mapping[str, Any]) -> dict[str, Any]:
-    """A rank's own state (a dict of KEYS, and more) as a state_dict(): one entry, bytes."""
+def pack(own: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """A rank's own state (a dict of KEYS, and more) as a state_dict(): one entry, bytes, under
+    its `rank` in the default group (unique across the job, also where gradsync averages over a
+    sub-group, as beside tensor parallelism)."""
     buffer = io.BytesIO()
     torch.save(dict(own), buffer)
-    return {"format": FORMAT, part_key(own["rank"]): buffer.getvalue()}
+    return {"format": FORMAT, part_key(rank): buffer.getvalue()}
 
 
 def problems(
@@ -77,17 +79,28 @@ def problems(
 
 def own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str]]:
     """Rank `rank`'s own state out of a state_dict() or full_state_dict() (or several ranks'
-    merged), or what is wrong with it."""
+    merged), or what is wrong with it. Never raises: every rank must reach the check that
+    compares them."""
+    try:
+        return _own_part(state, rank)
+    except Exception as error:
+        return None, [f"it is not a gradsync state ({type(error).__name__}: {error})"]
+
+
+def _own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str]]:
     if not isinstance(state, Mapping):
         return None, [f"a gradsync state is a dict from SyncState.state_dict(), got a {type(state).__name__}"]
     if state.get("format") != FORMAT:
+        older = (
+            " (gradsync 0.1's before checkpoints were packed per rank)" if state.get("format") == 2 else ""
+        )
         return None, [
-            f"its format is {state.get('format')!r}, not {FORMAT}: it is not a state_dict() of this "
-            "gradsync (an older version's, or another object's)"
+            f"its format is {state.get('format')!r}{older}, not {FORMAT}: it is not a state_dict() of "
+            "this gradsync; resume from a checkpoint this version saved, or register afresh"
         ]
-    held = sorted(int(key.split()[1]) for key in state if key.startswith("rank "))
     if part_key(rank) not in state:
-        owner = f"rank {held[0]}'s state" if len(held) == 1 else f"the states of ranks {held}"
+        held = [key for key in state if isinstance(key, str) and key.startswith("rank ")]
+        owner = f"{held[0]}'s state" if len(held) == 1 else f"the states of {held or 'no rank'}"
         return None, [
             f"it holds {owner}, loaded on rank {rank}: each rank's error memory is its own. Save one "
             "file per rank (state_dict() on every rank), or one file for all with full_state_dict() "
@@ -97,6 +110,8 @@ def own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str]
         own = torch.load(io.BytesIO(state[part_key(rank)]), weights_only=True)
     except Exception as error:  # damaged bytes: refused like any other bad state, on every rank
         return None, [f"its entry for rank {rank} cannot be read ({type(error).__name__}: {error})"]
+    if not isinstance(own, Mapping):
+        return None, [f"its entry for rank {rank} holds a {type(own).__name__}, not a rank's state"]
     missing = sorted(set(KEYS) - set(own))
     if missing:
         return None, [f"it lacks {missing}: not a whole SyncState.state_dict()"]

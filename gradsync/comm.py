@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import pickle
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -48,6 +49,11 @@ class Comm(Protocol):
 
     def allgather(self, tensor: torch.Tensor) -> Future[list[torch.Tensor]]:
         """Every rank's `tensor` (same shape and dtype on every rank), in rank order."""
+        ...
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, average: bool) -> Future[torch.Tensor]:
+        """This rank's shard (world_size equal ones, in rank order) of the sum of `tensor` over
+        ranks, or of their mean, written into `out`: the backend's own reduce-scatter."""
         ...
 
     def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Future[list[torch.Tensor]]:
@@ -98,6 +104,15 @@ class TorchComm:
     def allreduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return _outcome(work, "allreduce", tensor, lambda: tensor)
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, average: bool) -> Future[torch.Tensor]:
+        # As FSDP's own: gloo's reduce-scatter work has no future, so it is waited for here.
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        try:
+            dist.reduce_scatter_single(out, tensor, op=op, group=self.group)
+        except RuntimeError as error:
+            raise CollectiveError(_failed("reduce_scatter", tensor, error)) from None
+        return completed(out)
 
     def allgather(self, tensor: torch.Tensor) -> Future[list[torch.Tensor]]:
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -167,6 +182,9 @@ class LocalComm:
 
     def allgather(self, tensor: torch.Tensor) -> Future[list[torch.Tensor]]:
         return completed([tensor])
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, average: bool) -> Future[torch.Tensor]:
+        return completed(out.copy_(tensor.view_as(out)))
 
     def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Future[list[torch.Tensor]]:
         return completed(list(parts))
@@ -307,14 +325,15 @@ class Lane:
             self._thread = threading.Thread(target=self._serve, name="gradsync-lane", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
-        """End the lane's thread once what is queued has been issued (at interpreter exit)."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the lane's thread once what is queued has been issued (at interpreter exit);
+        wait for it at most `timeout_s`."""
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
             thread = self._thread
         if thread is not None:
-            thread.join(timeout=10.0)
+            thread.join(timeout=max(timeout_s, 0.0))
 
     def _serve(self) -> None:
         while True:
@@ -355,5 +374,6 @@ _LANES: weakref.WeakSet[Lane] = weakref.WeakSet()
 
 @atexit.register
 def _stop_lanes() -> None:
+    deadline = time.monotonic() + 10.0  # one bound for all: a lane stuck in a collective delays exit once
     for lane in list(_LANES):
-        lane.stop()
+        lane.stop(deadline - time.monotonic())

@@ -168,7 +168,7 @@ class DiLoCo:
         """A copy of the global parameters, the same on every rank, shaped as the model's trainable
         parameters and in their order: the model to evaluate or keep (between syncs the local
         ones differ per rank)."""
-        out = [p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self._params]
+        out = [torch.empty(p.shape, dtype=_global_dtype([p], None), device=p.device) for p in self._params]
         for fragment, flat in zip(self._fragments, self._global, strict=True):
             for (i, start, end), part in zip(fragment.pieces, _split(flat, fragment), strict=True):
                 out[i].view(-1)[start:end] = part
@@ -275,15 +275,20 @@ class DiLoCo:
                 *(index, self.step),
             )
         for (i, start, end), part in zip(fragment.pieces, _split(glob, fragment), strict=True):
-            local = self._params[i].view(-1)[start:end]
+            param = self._params[i]
+            # A strided parameter (channels_last) has no flat view: its flat copy is written back.
+            flat = param.view(-1) if param.is_contiguous() else param.detach().reshape(-1)
+            local = flat[start:end]
             if self.alpha == 0.0 or not finite:
                 local.copy_(part)  # exactly the global parameters (a lerp could round them)
             else:
                 local.lerp_(part.to(local.dtype), 1.0 - self.alpha)
+            if not param.is_contiguous():
+                param.copy_(flat.view(param.shape))
 
     def _local(self, fragment: Fragment) -> torch.Tensor:
         """The fragment's local parameters, flat (a fresh tensor)."""
-        pieces = [self._params[i].detach().view(-1)[start:end] for i, start, end in fragment.pieces]
+        pieces = [self._params[i].detach().reshape(-1)[start:end] for i, start, end in fragment.pieces]
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
 
     # -- checks -----------------------------------------------------------------------------------
@@ -387,8 +392,9 @@ def _split(flat: torch.Tensor, fragment: Fragment) -> tuple[torch.Tensor, ...]:
     return flat.split([end - start for _, start, end in fragment.pieces])
 
 
-def _global_dtype(params: Sequence[torch.Tensor], fragment: Fragment) -> torch.dtype:
+def _global_dtype(params: Sequence[torch.Tensor], fragment: Fragment | None) -> torch.dtype:
+    """fp32, or wider where a parameter of the fragment (None: every one of `params`) is."""
     dtype = torch.float32
-    for i, _, _ in fragment.pieces:
+    for i in range(len(params)) if fragment is None else (i for i, _, _ in fragment.pieces):
         dtype = torch.promote_types(dtype, params[i].dtype)
     return dtype

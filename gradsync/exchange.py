@@ -490,35 +490,60 @@ def _two_shot(
         for (lo, hi), shard_sum, shard_ctx in zip(bounds, sums, ctxs, strict=True):
             codec.decompress_into(total.view(-1)[lo:hi], shard_sum, shard_ctx)
         clock.lap("decompress")
-        own = [from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
-
-        def local() -> torch.Tensor:
-            return torch.cat([codec.decompress(p, c).view(-1) for p, c in zip(own, ctxs, strict=True)]).view(
-                x.shape
-            )
-
-        def subtract(t: torch.Tensor) -> torch.Tensor:
-            for (lo, hi), p, c in zip(bounds, own, ctxs, strict=True):
-                codec.sub_decoded_(t.view(-1)[lo:hi], p, c)
-            return t
-
+        local, subtract = _own_decoded(codec, frames, layouts, ctxs, bounds, x)
         return Exchanged("two-shot", None, total, local, True, payload_nbytes, sent, clock.seconds, subtract)
 
     return then(comm.allgather(frame), done, frame.device)
 
 
-def reduce_scatter(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool) -> Exchanged:
-    """A reduce-scatter of `x` (world_size equal shards, in rank order), each shard encoded and
-    sent to the rank that owns it, which decodes and sums them in rank order: two-shot's first
-    half, FSDP's gradient reduction. `total` is this rank's shard of the sum. Blocks."""
+def reduce_scatter(
+    codec: Compressor | None,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    comm: Comm,
+    average: bool,
+    finite: bool = True,
+    agree: bool = False,
+) -> Exchanged:
+    """A reduce-scatter of `x` (world_size equal shards, in rank order) into `out`, this rank's
+    shard of the sum (`average`: the mean); FSDP's gradient reduction. Blocks.
+
+    With a codec, each shard is encoded and sent to the rank that owns it, which decodes and sums
+    them in rank order (two-shot's first half). Each owner sees only its own shard's payloads;
+    with `agree` (where anything keeps state that a non-finite step must not touch: the same on
+    every rank), one more one-element allreduce makes every rank skip the step alike. Without a
+    codec (None), the backend's own reduce-scatter."""
+    n = comm.world_size
+    if codec is None:
+        comm.reduce_scatter(out, x, average).wait()
+        sent = (n - 1) * out.numel() * out.element_size()
+        return Exchanged("reduce-scatter", None, out, lambda: x, True, x.numel() * x.element_size(), sent)
     clock = _Clock()
-    bounds = shard_bounds(x.numel(), comm.world_size)
+    bounds = shard_bounds(x.numel(), n)
     summed, ok, frames, layouts, ctxs, payloads = _to_owners(codec, x.view(-1), comm, bounds, finite, clock)
-    if comm.world_size == 1:
+    if n == 1:
         codec.add_decoded_(summed, payloads[0], ctxs[0])  # the one rank's own payload
     clock.lap("decompress")
-    nbytes = sum(layout_nbytes(layouts[0]))
+    nbytes = sum(layout_nbytes(layouts[0])) * n
     sent = sum(f.numel() for rank, f in enumerate(frames) if rank != comm.rank)
+    if agree:  # an owner's payload may overflow (fp16) where every input was finite
+        ok = bool(comm.allreduce(torch.tensor([float(ok)], device=x.device)).wait() == n)
+    if not ok:
+        return Exchanged("reduce-scatter", None, None, _not_finite, False, nbytes, sent, clock.seconds)
+    out.copy_(summed.div_(n) if average else summed)
+    local, subtract = _own_decoded(codec, frames, layouts, ctxs, bounds, x)
+    return Exchanged("reduce-scatter", None, out, local, True, nbytes, sent, clock.seconds, subtract)
+
+
+def _own_decoded(
+    codec: Compressor,
+    frames: list[torch.Tensor],
+    layouts: list[Any],
+    ctxs: list[object],
+    bounds: list[tuple[int, int]],
+    x: torch.Tensor,
+) -> tuple[Local, RemoveLocal]:
+    """local() and remove_local_ of a sharded exchange: this rank's own shard payloads, decoded."""
     own = [from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
 
     def local() -> torch.Tensor:
@@ -531,9 +556,7 @@ def reduce_scatter(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool)
             codec.sub_decoded_(t.view(-1)[lo:hi], p, c)
         return t
 
-    if not ok:
-        return Exchanged("reduce-scatter", None, None, _not_finite, False, nbytes, sent, clock.seconds)
-    return Exchanged("reduce-scatter", None, summed, local, True, nbytes, sent, clock.seconds, subtract)
+    return local, subtract
 
 
 def _to_owners(

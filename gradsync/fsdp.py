@@ -11,8 +11,10 @@ half of that, int8 about a quarter, int4 about an eighth.
 The error memory is as large as the group's whole gradient on every rank, since the encoding error
 is made before the gradient is split into shards: memory that sharding saves elsewhere. With
 error_feedback="auto", casts (fp16, bf16) keep none, as PyTorch's own low-precision reductions do;
-quantizers (int8, int4) keep one. Not built: the replica all-reduce of HSDP (2-D meshes) stays
-FSDP's own, uncompressed.
+quantizers (int8, int4) keep one ("ef"; the other forms keep mirrors of the sum, which a rank
+holding only its shard cannot). Groups below min_compress_numel and warm-up steps run the
+backend's own reduce-scatter, FSDP's result exactly. Not built: the replica all-reduce of HSDP
+(2-D meshes) stays FSDP's own, uncompressed.
 """
 
 from __future__ import annotations
@@ -24,13 +26,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import exchange, feedback
-from .comm import Comm, TorchComm, allreduce_sent_nbytes
-from .config import NO_COMPRESSION, SyncConfig, build_codec
+from .comm import Comm, TorchComm
+from .config import SyncConfig
 from .sync import SyncState, is_finite
+
+try:  # FSDP2 with a custom reduce-scatter: recent torch only (the DDP path needs none of it)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # pragma: no cover - depends on the torch installed
+    FSDPModule = None  # type: ignore[assignment,misc]
+    ReduceScatter = object  # type: ignore[assignment,misc]
+
+FEEDBACK = ("none", "ef")  # the forms a rank holding one shard of the sum can keep
 
 
 class ShardedState(SyncState):
@@ -42,36 +51,35 @@ class ShardedState(SyncState):
         super().__init__(config, comm, model)
         self._calls: dict[int, int] = {}  # group -> reduce-scatters so far: its step
         self._resumed_at = 0  # the step a restored state resumes at: every group's first
-        self._plain = build_codec(NO_COMPRESSION, {}, 0)  # uncompressed groups and warm-up steps
 
     def reduce_scatter(
         self, x: torch.Tensor, out: torch.Tensor, group: int, comm: Comm, average: bool
     ) -> None:
         """Write this rank's shard of the sum (`average`: the mean) of `x` over the ranks into `out`."""
+        if x.dtype != torch.float32:
+            raise ValueError(
+                f"gradsync compresses FSDP's fp32 gradient reduction, but group {group} reduces in "
+                f"{x.dtype}: pass fully_shard(..., mp_policy=MixedPrecisionPolicy(..., "
+                "reduce_dtype=torch.float32))"
+            )
         self._comm()
         if not self._ranks_agree:
             self._check_ranks_agree(x.device)
         step = self._calls.get(group, self._resumed_at)
         self._calls[group] = step + 1
         self.step = max(self.step, step + 1)
-        if x.dtype != torch.float32:
-            raise ValueError(
-                f"gradsync compresses FSDP's fp32 gradient reduction, but group {group} reduces in "
-                f"{x.dtype} (MixedPrecisionPolicy(reduce_dtype=...)): drop reduce_dtype, or gradsync"
-            )
-        where = f"group {group} at step {step}"
-        with self._failures_named(where):
-            self._reduce_scatter(x, out, group, step, comm)
-        if average:
-            out.div_(comm.world_size)
+        with self._failures_named(f"group {group} at step {step}"):
+            self._reduce_scatter(x, out, group, step, comm, average)
 
-    def _reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, group: int, step: int, comm: Comm) -> None:
+    def _reduce_scatter(
+        self, x: torch.Tensor, out: torch.Tensor, group: int, step: int, comm: Comm, average: bool
+    ) -> None:
         started = time.perf_counter()
         strategy = self._strategy(group, x.numel(), step, True)
+        reference = (comm.world_size - 1) * out.numel() * 4  # FSDP's own fp32 reduce-scatter
         if not strategy.compressed:
-            result = exchange.reduce_scatter(self._plain, x, comm, True)
-            out.copy_(result.total)  # type: ignore[arg-type]
-            self._record(result, x, group, step, strategy, None, started, reference_nbytes=_fp32(x, comm))
+            result = exchange.reduce_scatter(None, x, out, comm, average)
+            self._record(result, x, group, step, strategy, None, started, reference_nbytes=reference)
             return
         point = self._point(group, x)
         guard = not (
@@ -79,21 +87,20 @@ class ShardedState(SyncState):
         )
         finite = not guard or is_finite(x)
         p = point.feedback.prepare(x, 1) if finite else x
-        result = exchange.reduce_scatter(point.codec, p, comm, finite)
-        if not result.finite:
-            point.codec.undo()  # a skipped step leaves no trace in codec state either
-            out.fill_(math.nan)  # the same on every rank: AMP's GradScaler skips the step
+        result = exchange.reduce_scatter(point.codec, p, out, comm, average, finite, agree=guard)
+        if result.finite:
+            point.feedback.update(x, p, result.local, out, result.remove_local_)  # "none", "ef": out as it is
         else:
-            out.copy_(result.total)  # type: ignore[arg-type]
-            point.feedback.update(x, p, result.local, result.total, result.remove_local_)  # type: ignore[arg-type]
-        self._record(result, x, group, step, strategy, point, started, reference_nbytes=_fp32(x, comm))
+            point.codec.undo()  # a skipped step leaves no trace in codec state either
+            out.fill_(math.nan)  # on every rank (agreed): AMP's GradScaler skips the step
+        self._record(result, x, group, step, strategy, point, started, reference_nbytes=reference)
 
     def _restore(self, state: Any) -> None:
         super()._restore(state)
         self._calls, self._resumed_at = {}, self.step
 
 
-class _CompressedReduceScatter(ReduceScatter):
+class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     """One FSDP module's reduce-scatter, run by the state as its group `group`."""
 
     def __init__(self, state: ShardedState, group: int) -> None:
@@ -134,9 +141,4 @@ def register(model: nn.Module, config: SyncConfig) -> ShardedState:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether `model` is an FSDP2 (fully_shard) module."""
-    return isinstance(model, FSDPModule)
-
-
-def _fp32(x: torch.Tensor, comm: Comm) -> int:
-    """What a plain fp32 reduce-scatter of `x` sends per rank: (n-1)/n of it (half an allreduce)."""
-    return allreduce_sent_nbytes(4 * x.numel(), comm.world_size) // 2
+    return FSDPModule is not None and isinstance(model, FSDPModule)

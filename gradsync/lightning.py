@@ -39,7 +39,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 
 class GradSync(pl.Callback):
-    """Registers gradsync on the DDP model of every fit(); its SyncState is `self.state`."""
+    """Registers gradsync on the DDP model of every fit(), afresh or from the checkpoint fit()
+    resumes from; its SyncState is `self.state`."""
 
     def __init__(self, config: SyncConfig | None = None) -> None:
         self.config = config if config is not None else SyncConfig()
@@ -64,9 +65,6 @@ class GradSync(pl.Callback):
         return self.state.full_state_dict() if self.state is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not state_dict:  # saved before any fit started: nothing of gradsync's yet
-            return
-        if self.state is not None:  # strategies that restore after fit started
-            self.state.load_state_dict(state_dict)
-        else:
-            self._restored = state_dict
+        # Lightning restores a DDP run's callbacks before fit starts: the state the next
+        # on_fit_start registers takes it (a state of an earlier fit() is not reused).
+        self._restored = state_dict or None  # {}: saved before any fit started

@@ -93,6 +93,9 @@ class SyncState:
         # -- the ranks to average over and the order collectives go out in (not pickled)
         self.comm: Comm | None = comm
         self.rank, self.world_size = comm.rank, comm.world_size  # kept when unpickled, for state_dict
+        # A checkpoint entry's key: the rank in the default group, unique in the job also where
+        # `comm` is a sub-group (data parallelism beside tensor or pipeline parallelism).
+        self._key_rank = dist.get_rank() if isinstance(comm, TorchComm) else comm.rank
         self.lane = Lane()
         # -- the model: positions, shapes and which parameters are embedding tables (rows)
         params = list(model.parameters()) if model is not None else []
@@ -232,7 +235,7 @@ class SyncState:
         one file per rank; or gather every rank's into one with full_state_dict(); or pass the
         state itself to torch.distributed.checkpoint (dcp.save({"gradsync": state}, ...)).
         """
-        return checkpoint.pack(self._own_state())
+        return checkpoint.pack(self._own_state(), self._key_rank)
 
     def full_state_dict(self) -> dict[str, Any]:
         """Every rank's state_dict() merged into one, for a checkpoint that one rank saves: a
@@ -246,7 +249,7 @@ class SyncState:
         (another rank's, another step than the other ranks', another config or world size), holds
         a non-finite error memory, or is not a gradsync state at all."""
         comm = self._comm()
-        mine, problems = checkpoint.own_part(state, comm.rank)
+        mine, problems = checkpoint.own_part(state, self._key_rank)
         if mine is not None:
             problems += self._state_problems(mine)
         reports = allgather_object(

@@ -79,6 +79,28 @@ def test_fragments_cover_every_element_once_in_order_in_equal_ranges_staggered_o
     assert [f.pieces for f in cut([2, 1], 3, 3)] == [((0, 0, 1),), ((0, 1, 2),), ((1, 0, 1),)]
 
 
+def test_a_strided_parameter_is_cut_and_written_as_a_contiguous_one_is() -> None:
+    # channels_last conv weights have no flat view: fragments split them all the same.
+    def run(channels_last: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
+        if channels_last:
+            net[0].to(memory_format=torch.channels_last)
+            assert not net[0].weight.is_contiguous()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        outer = gradsync.DiLoCo(net, optimizer, sync_every=3, fragments=3, delay=1, alpha=0.5)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(7):
+            x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(4, (8,), generator=g)
+            nn.functional.cross_entropy(net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().contiguous() for p in net.parameters()] + outer.global_parameters()
+
+    strided, plain = run(True), run(False)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(strided, plain, strict=True))
+
+
 def test_streaming_fragments_sync_at_their_own_steps_and_a_delay_applies_later() -> None:
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)

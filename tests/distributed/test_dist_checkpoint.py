@@ -157,13 +157,13 @@ def bad_checkpoints(rank: int, world_size: int) -> dict:
     bad = {
         "another rank's": {"format": everyone["format"], "rank 0": everyone["rank 0"]},
         "another step's": at_4 if rank == 0 else at_3,
-        "a non-finite memory": checkpoint.pack(nan) if rank == 1 else at_4,
-        "missing keys": checkpoint.pack(no_points) if rank == 0 else at_4,
+        "a non-finite memory": checkpoint.pack(nan, rank) if rank == 1 else at_4,
+        "missing keys": checkpoint.pack(no_points, rank) if rank == 0 else at_4,
         "damaged bytes": {**at_4, f"rank {rank}": at_4[f"rank {rank}"][:-9]},
-        "a negative step": checkpoint.pack({**own, "step": -5}),
+        "a negative step": checkpoint.pack({**own, "step": -5}, rank),
         "another model": _run(rank, cfg, None, 0, range(3), model_width=40)[2].state_dict(),
         "another config": _run(rank, config(compressor="qsgd"), None, 0, range(3))[2].state_dict(),
-        "another world size": checkpoint.pack({**own, "world_size": 3}),
+        "another world size": checkpoint.pack({**own, "world_size": 3}, rank),
         "not a state": [at_4],
     }
     out = {}

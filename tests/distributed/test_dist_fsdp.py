@@ -1,10 +1,13 @@
 """FSDP2 (fully_shard) with gradsync as its gradient reduce-scatter, on 2 gloo ranks.
 
-- Uncompressed ("none"), gradsync's reduce-scatter is FSDP's own, bit for bit.
-- bf16: every element of the averaged gradient is (bf16(g_0) + bf16(g_1)) / 2 of the ranks' own
-  gradients (computed by an unsharded copy of the model and gathered), and it sends half the bytes.
+- On 3 ranks (FSDP pads every dimension of 256 or 8 rows): uncompressed ("none"), gradsync's
+  reduce-scatter is FSDP's own, bit for bit; with bf16 every element of the averaged gradient is
+  (bf16(g_0) + bf16(g_1) + bf16(g_2)) / 3 of the ranks' own gradients (computed by an unsharded
+  copy of the model and gathered), summed in rank order, and a step sends half the bytes.
 - Training with bf16 ends within 0.5% of FSDP's loss on held-out data; int4 (error feedback) too.
 - A checkpoint (DCP: model, optimizer and gradsync's state) resumes the exact trajectory.
+- What it cannot run is refused by name: a sparsifier, a plan, a feedback form that mirrors the
+  whole sum, a reduction in bf16.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import gradsync
 
@@ -104,7 +107,7 @@ def same_as_fsdp_and_bf16_formula(rank: int, world_size: int) -> dict:
 
 
 def test_uncompressed_is_fsdps_own_and_bf16_averages_the_rounded_gradients() -> None:
-    for rank, out in enumerate(run_ranks(same_as_fsdp_and_bf16_formula, 2, timeout_s=120)):
+    for rank, out in enumerate(run_ranks(same_as_fsdp_and_bf16_formula, 3, timeout_s=120)):
         assert torch.equal(out["none"], out["fsdp"]), f"rank {rank}: gradsync's fp32 reduce-scatter differs"
         assert torch.equal(out["bf16 grad"], out["bf16 formula"]), f"rank {rank}: bf16 average differs"
         assert out["bf16 ratio"] >= 1.9, out["bf16 ratio"]
@@ -170,12 +173,30 @@ def test_a_dcp_checkpoint_resumes_the_exact_trajectory(tmp_path) -> None:
 
 def refusals(rank: int, world_size: int) -> dict:
     out = {}
-    for name, cfg in {"topk": config(compressor="topk"), "plan": config(plan="auto")}.items():
+    cases = {
+        "topk": config(compressor="topk"),
+        "plan": config(plan="auto"),
+        "ef21": config(compressor="int8", error_feedback="ef21"),
+    }
+    for name, cfg in cases.items():
         try:
             gradsync.register(shard(make(0)), cfg)
             out[name] = None
         except ValueError as error:
             out[name] = str(error)
+    net = make(0)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduces in bf16, the gradients' dtype
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    gradsync.register(net, config(compressor="bf16"))
+    x, y = batch(rank, 0)
+    try:
+        nn.functional.cross_entropy(net(x), y).backward()
+        out["bf16 reduction"] = None
+    except ValueError as error:
+        out["bf16 reduction"] = str(error)
     return out
 
 
@@ -183,3 +204,5 @@ def test_what_fsdp_cannot_run_is_refused_by_name() -> None:
     out = run_ranks(refusals, 2, timeout_s=60)[0]
     assert "fixed-size dense payloads" in out["topk"] and "'topk'" in out["topk"], out
     assert "drop plan" in out["plan"], out
+    assert "'ef21'" in out["ef21"] and "('none', 'ef')" in out["ef21"], out
+    assert "reduce_dtype=torch.float32" in out["bf16 reduction"], out
