@@ -87,15 +87,23 @@ class SyncState:
         >>> torch.save(state.state_dict(), f"gradsync-rank{rank}.pt")  # one file per rank
     """
 
-    def __init__(self, config: SyncConfig, comm: Comm, model: nn.Module | None = None) -> None:
+    def __init__(self, config: SyncConfig, comm: Comm | None = None, model: nn.Module | None = None) -> None:
+        """`comm`: the ranks to average over. None binds the default process group at the first
+        exchange, so that a state can be handed to a framework before it creates the group:
+        DDPStrategy(ddp_comm_hook=gradsync.hook, ddp_comm_state=gradsync.SyncState(config)) in
+        Lightning. Without `model` the state works on DDP's buckets alone (see gradsync.ddp)."""
+        if not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
         # -- hyperparameters
         self.config = config
         # -- the ranks to average over and the order collectives go out in (not pickled)
-        self.comm: Comm | None = comm
-        self.rank, self.world_size = comm.rank, comm.world_size  # kept when unpickled, for state_dict
-        # A checkpoint entry's key: the rank in the default group, unique in the job also where
-        # `comm` is a sub-group (data parallelism beside tensor or pipeline parallelism).
-        self._key_rank = dist.get_rank() if isinstance(comm, TorchComm) else comm.rank
+        self.comm: Comm | None = None
+        self._binds_default_group = comm is None
+        self.rank: int | None = None  # these three kept when unpickled, for state_dict
+        self.world_size: int | None = None
+        self._key_rank: int | None = None
+        if comm is not None:
+            self._bind(comm)
         self.lane = Lane()
         # -- the model: positions, shapes and which parameters are embedding tables (rows)
         params = list(model.parameters()) if model is not None else []
@@ -235,6 +243,8 @@ class SyncState:
         one file per rank; or gather every rank's into one with full_state_dict(); or pass the
         state itself to torch.distributed.checkpoint (dcp.save({"gradsync": state}, ...)).
         """
+        if self._key_rank is None:
+            self._comm()  # a state on the default group binds it here if no step has yet
         return checkpoint.pack(self._own_state(), self._key_rank)
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -450,7 +460,21 @@ class SyncState:
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def _bind(self, comm: Comm) -> None:
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        # A checkpoint entry's key: the rank in the default group, unique in the job also where
+        # `comm` is a sub-group (data parallelism beside tensor or pipeline parallelism).
+        self._key_rank = dist.get_rank() if isinstance(comm, TorchComm) else comm.rank
+
     def _comm(self) -> Comm:
+        if self.comm is None and self._binds_default_group:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    "this SyncState averages over the default process group, which does not exist yet; "
+                    "call torch.distributed.init_process_group first (a framework does so before training)"
+                )
+            self._bind(TorchComm(None))
         if self.comm is None:
             raise RuntimeError(
                 "this SyncState was unpickled and has no process group; call "

@@ -387,6 +387,19 @@ def test_the_state_pickles_and_an_unpickled_state_refuses_to_sync() -> None:
     assert all(torch.equal(a, b) for a, b in zip(run_steps(resumed, gs[WARMUP + 1 :]), expected, strict=True))
 
 
+def test_a_state_made_before_the_process_group_says_to_create_it_first() -> None:
+    # No comm: the state binds the default group at its first exchange (a framework's comm hook
+    # state is made before the framework creates the group); there is none in this process.
+    state = SyncState(SyncConfig(warmup_steps=0))
+    assert state.comm is None and state.rank is None
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sync(state, gradients(1)[0])
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        state.state_dict()
+    with pytest.raises(TypeError, match=r"gradsync\.SyncConfig, got dict"):
+        SyncState({"compressor": "int4"})  # type: ignore[arg-type]
+
+
 def test_a_bucket_whose_size_changed_raises_value_error() -> None:
     state = new_state()
     past_warmup(state)

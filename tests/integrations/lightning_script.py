@@ -5,8 +5,13 @@ In one launch it fits 16 steps (2 epochs) without a break, ModelCheckpoint savin
 end, then fits a fresh module (initialized differently) from the first epoch's checkpoint, at step 8,
 to step 16. The data is drawn from the rank and the step, not from the loader: Lightning's own
 resume from an epoch's end checkpoint does not replay the loader's order exactly (with plain
-DDP too), which is not what this tests. Each rank writes to
-OUT/rank<r>.pt the parameters and gradsync's own state (its error memories) after both runs.
+DDP too), which is not what this tests.
+
+Then it fits 16 steps with DDPStrategy(ddp_comm_hook=gradsync.hook, ddp_comm_state=SyncState(config)),
+the state made before Lightning creates the process group (it binds the default group at its first
+exchange). Lightning installs a comm hook only on CUDA; the strategy here runs Lightning's own
+installer on CPU as it would on a GPU. Each rank writes to OUT/rank<r>.pt the parameters and
+gradsync's own state (its error memories) after each run.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,6 +31,7 @@ import gradsync
 from gradsync.lightning import GradSync
 
 STEPS, EPOCH, BATCH = 16, 8, 16
+CONFIG = gradsync.SyncConfig(min_compress_numel=0)  # small model: compress it all
 
 
 class Net(pl.LightningModule):
@@ -50,7 +58,7 @@ def data() -> DataLoader:
 
 
 def fit(out: str, seed: int, ckpt: str | None = None) -> tuple[Net, GradSync]:
-    callback = GradSync(gradsync.SyncConfig(min_compress_numel=0))  # small model: compress it all
+    callback = GradSync(CONFIG)
     every_epoch = ModelCheckpoint(
         dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True
     )
@@ -69,6 +77,37 @@ def fit(out: str, seed: int, ckpt: str | None = None) -> tuple[Net, GradSync]:
     return module, callback
 
 
+class CommHookOnCpu(DDPStrategy):
+    """DDPStrategy installing its ddp_comm_hook with Lightning's own installer on any device: as
+    Lightning does on CUDA (on CPU it skips the hook)."""
+
+    def _register_ddp_hooks(self) -> None:
+        _register_ddp_comm_hook(
+            model=self.model,
+            ddp_comm_state=self._ddp_comm_state,
+            ddp_comm_hook=self._ddp_comm_hook,
+            ddp_comm_wrapper=self._ddp_comm_wrapper,
+        )
+
+
+def fit_with_comm_hook() -> tuple[Net, gradsync.SyncState]:
+    state = gradsync.SyncState(CONFIG)  # before Lightning creates the process group
+    strategy = CommHookOnCpu(ddp_comm_hook=gradsync.hook, ddp_comm_state=state)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Net(seed=0)
+    trainer.fit(module, data())
+    return module, state
+
+
 def main(out: str) -> None:
     rank = int(os.environ["RANK"])
     module, callback = fit(out, seed=0)
@@ -76,6 +115,8 @@ def main(out: str) -> None:
     results["compression_ratio"] = callback.state.stats()["last_step"]["compression_ratio"]
     module, callback = fit(os.path.join(out, "resumed"), seed=1, ckpt=os.path.join(out, "epoch=0.ckpt"))
     results |= {"resumed": flat(module), "resumed_state": own(callback.state, rank)}
+    module, state = fit_with_comm_hook()
+    results |= {"comm_hook": flat(module), "comm_hook_state": own(state, rank)}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 

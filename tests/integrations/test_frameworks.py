@@ -5,7 +5,9 @@ extras):
   accelerate_script.py  prepare, register on the prepared model, bf16, gradient accumulation,
                         save_state / load_state through gradsync.AllRanks;
   lightning_script.py   Trainer(strategy="ddp") with gradsync.lightning.GradSync, a checkpoint
-                        saved at step 8 and fit(ckpt_path=...) from it.
+                        saved at step 8 and fit(ckpt_path=...) from it; then
+                        DDPStrategy(ddp_comm_hook=gradsync.hook, ddp_comm_state=SyncState(config)),
+                        which must train exactly as the callback does.
 
 Each trains 16 steps without a break, and 8 + a resume into a fresh model (initialized
 differently) + 8: parameters and gradsync's own state must be bit-identical at step 16 on every
@@ -65,3 +67,9 @@ def test_a_framework_checkpoint_resumes_bit_for_bit(package: str, script: str, t
         assert torch.equal(out["resumed"], out["continuous"]), f"rank {rank} left the trajectory: {diff:.3g}"
     memories = [out["continuous_state"]["points"] for out in ranks]
     assert not same(*memories), "both ranks hold the same memories: the test cannot tell them apart"
+    if package == "lightning":  # the comm hook's state, made before the process group, bound to it
+        for rank, out in enumerate(ranks):
+            assert out["comm_hook_state"]["rank"] == rank and out["comm_hook_state"]["world_size"] == 2
+            assert out["comm_hook_state"]["step"] == 16, f"rank {rank}: the comm hook did not run every step"
+            assert same(out["comm_hook_state"]["points"], out["continuous_state"]["points"])
+            assert torch.equal(out["comm_hook"], out["continuous"]), f"rank {rank}: comm hook run differs"
