@@ -50,6 +50,16 @@ def test_diloco_takes_its_options_and_the_outer_gradients_codec():
     assert strategies.parse("diloco:outer_lr=1:outer_momentum=0").label == "gradsync Local SGD H=100 (fp32)"
 
 
+def test_fsdp_is_fsdps_own_reduce_scatter_or_gradsyncs_with_a_codec():
+    plain = strategies.parse("fsdp")
+    assert plain.kind == "fsdp" and not plain.wraps_in_ddp and plain.config is None
+    assert plain.is_reference and plain.label == "FSDP2 fp32 (no hook)"
+    s = strategies.parse("fsdp:compressor=int4:warmup=3")
+    assert not s.is_reference and s.config.compressor == "int4" and s.warmup_steps == 3
+    assert s.label == "gradsync FSDP2 int4 + ef"
+    assert strategies.parse("ddp").is_reference and not strategies.parse("int4").is_reference
+
+
 def test_gradsync_options_reach_the_config():
     s = strategies.parse("qsgd:levels=4:ef=ef:warmup=5")
     assert s.config.compressor_args["levels"] == 4
@@ -67,6 +77,7 @@ def test_gradsync_options_reach_the_config():
         ("topk:ratio=2", ["ratio"]),
         ("diloco:sync_every=4:delay=4", ["delay=4", "[0, 3]"]),
         ("diloco:compressor=nope", ["nope"]),
+        ("fsdp:compressor=topk", ["fsdp:compressor=topk", "fp16, bf16, int8 or int4"]),
     ],
 )
 def test_bad_strategies_are_refused_with_the_reason(text, words):

@@ -42,24 +42,26 @@ def headline(document: dict[str, Any]) -> str:
     reference = next((r for r in runs if r["strategy"] == document["meta"].get("reference")), None)
     if reference is None or target is None:
         return "No DDP run, so no time to DDP's loss."
+    ddp = reference_name(document["meta"])
     lines = []
     for r in runs:
         if r is reference:
             continue
         if r["time_to_target_s"] is None:
             lines.append(
-                f"{r['label']}: did not reach DDP's held-out loss {target:.4f} in {len(r['step_s'])} steps "
+                f"{r['label']}: did not reach {ddp}'s held-out loss {target:.4f} in {len(r['step_s'])} steps "
                 f"(its final: {r['final_loss']:.4f})."
             )
         elif reference["time_to_target_s"] is None:  # DDP's noisy curve ended above its own target
             lines.append(
-                f"{r['label']}: reached {target:.4f} after {r['time_to_target_s']:.1f} s; DDP did not."
+                f"{r['label']}: reached {target:.4f} after {r['time_to_target_s']:.1f} s; {ddp} did not."
             )
         else:
             lines.append(
-                f"{r['label']}: reached DDP's held-out loss {target:.4f} after {r['time_to_target_s']:.1f} s "
-                f"of training against DDP's {reference['time_to_target_s']:.1f} s: "
-                f"{r['time_to_target_speedup']:.2f}x sooner (step {r['steps_to_target']}; DDP's "
+                f"{r['label']}: reached {ddp}'s held-out loss {target:.4f} "
+                f"after {r['time_to_target_s']:.1f} s "
+                f"of training against {ddp}'s {reference['time_to_target_s']:.1f} s: "
+                f"{r['time_to_target_speedup']:.2f}x sooner (step {r['steps_to_target']}; {ddp}'s "
                 f"step {reference['steps_to_target']})."
             )
     return "\n".join(lines)
@@ -73,15 +75,16 @@ def conditions(document: dict[str, Any]) -> str:
     probe = f"; an allreduce probe measured {measured / 1e9:.3f} Gbit/s bus bandwidth" if measured else ""
     target = meta["target_loss"]
     curve = meta.get("reference_curve") or {}
+    ddp = reference_name(meta)
     noise = ""
     if curve.get("final_se"):
         noise = (
-            f" DDP's final held-out loss {curve['final_loss']:.4f} has a standard error of "
+            f" {ddp}'s final held-out loss {curve['final_loss']:.4f} has a standard error of "
             f"{curve['final_se']:.4f} over the held-out predictions: the tolerance is "
             f"{meta['tolerance'] * curve['final_loss'] / curve['final_se']:.1f} of them."
         )
     if curve.get("last_quarter_fall") is not None:
-        noise += f" Over its last quarter of steps DDP's loss fell {100 * curve['last_quarter_fall']:.1f}%."
+        noise += f" Over its last quarter of steps {ddp}'s loss fell {100 * curve['last_quarter_fall']:.1f}%."
     return (
         f"{meta['workload_description']}; {options['world_size']} ranks, {options['steps']} steps, "
         f"{options['threads']} torch thread(s) per rank, on {meta['machine']['cores']} cores. "
@@ -93,13 +96,18 @@ def conditions(document: dict[str, Any]) -> str:
         "step; wire "
         "MB/step: bytes its interface transmitted (testbed only, TCP/IP included). "
         + (
-            f"Target: DDP's final eval loss x (1 + {meta['tolerance']:g}) = {target:.4f}; time to target "
+            f"Target: {ddp}'s final eval loss x (1 + {meta['tolerance']:g}) = {target:.4f}; time to target "
             "is training wall-clock time (evaluations excluded) at the first evaluation at or below it."
             + noise
             if target is not None
             else "No DDP run, so no time-to-target."
         )
     )
+
+
+def reference_name(meta: dict[str, Any]) -> str:
+    """Whose loss the target is: DDP's, or FSDP2's where only FSDP2 runs were made."""
+    return "FSDP2" if str(meta.get("reference", "")).startswith("fsdp") else "DDP"
 
 
 _CODE = ("gradsync", "examples", "Makefile", "pyproject.toml")  # what a measurement depends on

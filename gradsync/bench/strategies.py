@@ -16,6 +16,10 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
   optimizer. Keys: DiLoCo's sync_every (default 100), outer_lr, outer_momentum, fragments, delay
   and alpha; compressor (of the outer gradient, default none) and ef; any other key is the
   compressor's argument. Evaluated on the global parameters.
+- `fsdp[:compressor=NAME:key=value...]`: no DDP: the model sharded by FSDP2 (fully_shard on
+  every block, then on the whole); plain `fsdp` is FSDP's own fp32 reduce-scatter (a reference
+  where `ddp` is not run), with a compressor gradsync is its reduce-scatter (gradsync.fsdp; `ef`
+  and `warmup` as for gradsync). Evaluated on an unsharded copy of the parameters.
 - `auto[:compressor=NAME:key=value...]`: gradsync with SyncConfig(plan="auto"): it measures the
   first steps, plans per group among fp32, fp16, bf16 and NAME (default SyncConfig's) with its
   arguments, confirms the best candidates on real steps and adopts the fastest measured.
@@ -27,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +47,11 @@ from ..config import AUTO_PLAN, NO_COMPRESSION, SyncConfig
 from ..diloco import DEFAULTS as DILOCO_DEFAULTS
 from ..diloco import DiLoCo, check_options
 from ..exchange import allreduce_sent_nbytes
+from ..strategy import shards
 
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 DILOCO = "diloco"
+FSDP = "fsdp"
 _DILOCO_OPTIONS = {
     "sync_every": 50,
     "outer_lr": 0.7,
@@ -62,14 +69,20 @@ class Strategy:
     """One way to exchange gradients: a baseline, or gradsync with a SyncConfig."""
 
     text: str  # as given, e.g. "topk:ratio=0.001"
-    kind: str  # "ddp", "torch-fp16", "torch-powersgd", "gradsync" or "diloco"
+    kind: str  # "ddp", "torch-fp16", "torch-powersgd", "gradsync", "diloco" or "fsdp"
     options: dict[str, Any]
-    config: SyncConfig | None = None  # gradsync and diloco (how the outer gradient is sent)
+    config: SyncConfig | None = None  # gradsync, diloco (how the outer gradient is sent), fsdp with a codec
 
     @property
     def wraps_in_ddp(self) -> bool:
-        """Whether the model is trained under DDP: all but DiLoCo, which syncs the plain model."""
-        return self.kind != DILOCO
+        """Whether the model is trained under DDP: all but DiLoCo (the plain model) and FSDP2."""
+        return self.kind not in (DILOCO, FSDP)
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether time to accuracy can be measured against this run: DDP's, or FSDP2's own
+        reduce-scatter where no DDP run was made (DDP first where both were)."""
+        return self.kind == "ddp" or (self.kind == FSDP and self.config is None)
 
     @property
     def ddp_options(self) -> dict[str, Any]:
@@ -102,7 +115,13 @@ class Strategy:
             return "torch fp16 hook"
         if self.kind == "torch-powersgd":
             return f"torch PowerSGD rank {self.options['rank']}"
+        if self.kind == FSDP and self.config is None:
+            return "FSDP2 fp32 (no hook)"
         assert self.config is not None
+        if self.kind == FSDP:
+            feedback = self.config.feedback_name
+            name = f"gradsync FSDP2 {self.config.compressor}"
+            return name + ("" if feedback == "none" else f" + {feedback}")
         args = ", ".join(f"{k}={v}" for k, v in self.config.compressor_args.items())
         if self.kind == DILOCO:
             o = self.options
@@ -144,6 +163,8 @@ def parse(text: str) -> Strategy:
         return Strategy(text, name, merged)
     if name == DILOCO:
         return _diloco(text, options)
+    if name == FSDP:
+        return _fsdp(text, options)
     plan = None
     if name == AUTO_PLAN:
         plan, name = AUTO_PLAN, options.pop("compressor", SyncConfig().compressor)
@@ -184,6 +205,26 @@ def _diloco(text: str, options: dict[str, Any]) -> Strategy:
     return Strategy(text, DILOCO, outer, config)
 
 
+def _fsdp(text: str, options: dict[str, Any]) -> Strategy:
+    if not options:
+        return Strategy(text, FSDP, {})
+    try:
+        config = SyncConfig(
+            compressor=options.pop("compressor", NO_COMPRESSION),
+            error_feedback=options.pop("ef", "auto"),
+            warmup_steps=options.pop("warmup", WARMUP_STEPS),
+            compressor_args=options,
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"strategy {text!r}: {err}") from err
+    if config.compressor != NO_COMPRESSION and not shards(compress.lookup(config.compressor)):
+        raise ValueError(
+            f"strategy {text!r}: FSDP2's reduce-scatter needs a codec whose fixed-size payload an owner "
+            "can decode and sum per shard; use fp16, bf16, int8 or int4"
+        )
+    return Strategy(text, FSDP, {}, config)
+
+
 def parse_list(text: str) -> list[Strategy]:
     """Comma-separated strategies, each once."""
     strategies = [parse(item) for item in text.split(",") if item.strip()]
@@ -201,15 +242,35 @@ def install(
     module: nn.Module,
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
 ) -> tuple[nn.Module, torch.optim.Optimizer, Installed]:
-    """The model as `strategy` trains it (under DDP, or plain for DiLoCo), its optimizer from
-    `make_optimizer`, and the strategy installed on them."""
+    """The model as `strategy` trains it (under DDP, plain for DiLoCo, sharded for FSDP2), its
+    optimizer from `make_optimizer`, and the strategy installed on them."""
     model: nn.Module = module
+    unsharded = None
     if strategy.wraps_in_ddp:
         # Gradients as views into DDP's buckets save two copies of every gradient per step, for
         # every strategy alike; it is DDP's own recommended setting for speed.
         model = DistributedDataParallel(module, gradient_as_bucket_view=True, **strategy.ddp_options)
+    elif strategy.kind == FSDP:
+        unsharded = copy.deepcopy(module)  # evaluated: each rank's forward count may differ
+        model = _shard(module)
     optimizer = make_optimizer(model.parameters())
-    return model, optimizer, Installed(strategy, model, optimizer)
+    installed = Installed(strategy, model, optimizer)
+    installed.unsharded = unsharded
+    return model, optimizer, installed
+
+
+def _shard(module: nn.Module) -> nn.Module:
+    """FSDP2 as its tutorials apply it: each block (a child, or each module of a child list) its
+    own fully_shard group, then the whole model (what is left: norms, small tensors)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in module.children():
+        blocks = child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else (child,)
+        for block in blocks:
+            if any(p.requires_grad for p in block.parameters()):
+                fully_shard(block)
+    fully_shard(module)
+    return module
 
 
 class Installed:
@@ -222,6 +283,7 @@ class Installed:
         self.gradsync = None
         self.powersgd = None
         self.diloco = None
+        self.unsharded: nn.Module | None = None  # FSDP2: a plain copy the parameters are gathered into
         self._counted = {"sent_nbytes": 0, "seconds": 0.0}  # DiLoCo's totals as of the last step
         if strategy.kind == "torch-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -237,7 +299,7 @@ class Installed:
                 start_powerSGD_iter=WARMUP_STEPS,
             )
             model.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
-        elif strategy.kind == "gradsync":
+        elif strategy.kind == "gradsync" or (strategy.kind == FSDP and strategy.config is not None):
             self.gradsync = register(model, strategy.config)
         elif strategy.kind == DILOCO:
             config = strategy.config
@@ -265,6 +327,8 @@ class Installed:
             return record["sent_nbytes"] if record else 0
         if self.strategy.kind == "torch-fp16":
             return allreduce_sent_nbytes(2 * self.numel, self.world_size)
+        if self.strategy.kind == FSDP:  # its reduce-scatter: the first half of a ring allreduce
+            return fp32 // 2
         if self.powersgd is not None:
             # The hook counts the elements it allreduces on compressed steps (P, Q and the
             # tensors it leaves uncompressed); before its start step it allreduces plain fp32.

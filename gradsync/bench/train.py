@@ -150,6 +150,7 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
     order = list(options.strategies)
     if options.until_flat is not None:  # DDP first: its flat curve decides everyone's steps
         order.sort(key=lambda text: strategies.parse(text).kind != "ddp")
+    made = report.provenance()  # the code every rank is about to import, not what is there after
     raw: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as tmp:
         for index, text in enumerate(order):
@@ -165,7 +166,7 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
         "params": workload.num_params(),
         "options": asdict(options),
         "network": network.to_dict(),
-        **report.provenance(),
+        **made,
     }
     return summarize([raw[text] for text in options.strategies], meta, options)
 
@@ -178,7 +179,8 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
     DDP run's final held-out loss times (1 + tolerance); a run reaches it at its first evaluation
     at or below it, and its time-to-target is the training wall-clock time of that evaluation.
     """
-    reference = next((r for r in raw if strategies.parse(r["strategy"]).kind == "ddp"), None)
+    references = [r for r in raw if strategies.parse(r["strategy"]).is_reference]
+    reference = min(references, key=lambda r: strategies.parse(r["strategy"]).kind != "ddp", default=None)
     target = reference["evals"][-1]["loss"] * (1 + options.tolerance) if reference else None
     runs = []
     for r in raw:

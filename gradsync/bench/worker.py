@@ -102,7 +102,12 @@ def _plan_made(installed: strategies.Installed) -> dict[str, Any]:
 
 def _held_out_model(model: nn.Module, installed: strategies.Installed) -> nn.Module:
     """The model evaluated: DDP's module; under DiLoCo a copy holding the global parameters (between
-    syncs each rank's own differ)."""
+    syncs each rank's own differ); under FSDP2 an unsharded copy (a collective: every rank calls it)."""
+    if installed.unsharded is not None:
+        with torch.no_grad():
+            for p, sharded in zip(installed.unsharded.parameters(), model.parameters(), strict=True):
+                p.copy_(sharded.full_tensor())
+        return installed.unsharded
     if installed.diloco is None:
         return model.module
     held_out = copy.deepcopy(model)
@@ -153,6 +158,8 @@ def _compute_only(
     """
     dist.barrier()
     seconds = []
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: its parameter all-gathers still run
+        model.set_requires_gradient_sync(False)
     with model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext():
         for i in range(repeats):
             started = time.perf_counter()

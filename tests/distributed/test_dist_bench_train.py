@@ -110,3 +110,30 @@ def test_until_flat_stops_ddp_when_its_loss_is_flat_and_trains_every_strategy_as
     assert (fp16["strategy"], ddp["strategy"]) == ("fp16", "ddp")
     assert len(ddp["step_s"]) == len(fp16["step_s"]) == document["meta"]["options"]["steps"] == 16
     assert document["meta"]["options"]["until_flat"] == 0.9
+
+
+def test_fsdp_runs_are_measured_against_fsdps_own(tmp_path: Path):
+    # No DDP run: FSDP2's own reduce-scatter is the reference. gradsync's runs its warm-up
+    # uncompressed (FSDP's result exactly), then halves the bytes with bf16.
+    options = train.BenchOptions(
+        workload="mlp-wide",
+        workload_options=_SMALL,
+        world_size=2,
+        strategies=("fsdp:compressor=bf16:warmup=4", "fsdp"),
+        steps=16,
+        eval_every=4,
+        probe_steps=1,
+        timeout_s=240,
+    )
+    document = train.run(options, train.loopback(), progress=False)
+    bf16, fsdp = document["runs"]
+    assert document["meta"]["reference"] == "fsdp" and fsdp["step_speedup"] == 1.0
+    assert document["meta"]["target_loss"] == pytest.approx(fsdp["final_loss"] * 1.02)
+    assert [e["loss"] for e in bf16["evals"][:2]] == [e["loss"] for e in fsdp["evals"][:2]]
+    assert bf16["evals"][2]["loss"] != fsdp["evals"][2]["loss"]  # compressed from step 4 on
+    params = document["meta"]["params"]
+    assert fsdp["bytes_per_step"] == 4 * params // 2  # 2 ranks: half of the fp32 gradient each
+    assert bf16["sent_nbytes"][4:] == [bf16["sent_nbytes"][4]] * 12
+    # Only the 160 x 160 layer is over min_compress_numel here; it sends half its bytes.
+    assert bf16["sent_nbytes"][4] < 0.7 * fsdp["sent_nbytes"][4]
+    assert "FSDP2's held-out loss" in report.headline(document)
