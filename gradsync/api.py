@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from . import compress, fsdp
@@ -29,9 +30,13 @@ from .tuner import AutoState, auto_hook
 log = logging.getLogger("gradsync")
 
 
-def register(model: nn.Module, config: SyncConfig | None = None) -> SyncState:
+def register(
+    model: nn.Module, config: SyncConfig | None = None, *, replicate_group: ProcessGroup | None = None
+) -> SyncState:
     """Install gradsync's communication hook on a DDP model and return its state. On an FSDP2
-    model (fully_shard), gradsync becomes its gradient reduce-scatter instead (gradsync.fsdp).
+    model (fully_shard), gradsync becomes its gradient reduce-scatter instead (gradsync.fsdp);
+    `replicate_group` (FSDP2 only): the group of this rank's replicas, for HSDP, whose all-reduce
+    of each shard gradsync then compresses too.
 
     Call it once, on every rank, before the first backward pass, with the same config.
 
@@ -45,7 +50,12 @@ def register(model: nn.Module, config: SyncConfig | None = None) -> SyncState:
     if not isinstance(config, SyncConfig):
         raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
     if fsdp.is_sharded(model):
-        return _register_sharded(model, config)
+        return _register_sharded(model, config, replicate_group)
+    if replicate_group is not None:
+        raise ValueError(
+            "replicate_group is for a model sharded by fully_shard (HSDP); a DDP model averages over "
+            "its own process_group: drop replicate_group"
+        )
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(
             f"gradsync.register expects a torch.nn.parallel.DistributedDataParallel model or one "
@@ -75,7 +85,9 @@ def register(model: nn.Module, config: SyncConfig | None = None) -> SyncState:
     return state
 
 
-def _register_sharded(model: nn.Module, config: SyncConfig) -> SyncState:
+def _register_sharded(
+    model: nn.Module, config: SyncConfig, replicate_group: ProcessGroup | None
+) -> SyncState:
     if config.plan is not None:
         raise ValueError(
             f"SyncConfig(plan={config.plan!r}) on an FSDP2 model: plans group DDP's buckets, and FSDP "
@@ -95,7 +107,7 @@ def _register_sharded(model: nn.Module, config: SyncConfig) -> SyncState:
             f"whose ranks each hold one shard of the sum that {form!r} would mirror whole; use one of "
             f"{fsdp.FEEDBACK}"
         )
-    state = fsdp.register(model, config)
+    state = fsdp.register(model, config, replicate_group)
     log.info("gradsync registered on FSDP2, rank %d of %d: %s", state.rank, state.world_size, config)
     return state
 

@@ -13,8 +13,14 @@ is made before the gradient is split into shards: memory that sharding saves els
 error_feedback="auto", casts (fp16, bf16) keep none, as PyTorch's own low-precision reductions do;
 quantizers (int8, int4) keep one ("ef"; the other forms keep mirrors of the sum, which a rank
 holding only its shard cannot). Groups below min_compress_numel and warm-up steps run the
-backend's own reduce-scatter, FSDP's result exactly. Not built: the replica all-reduce of HSDP
-(2-D meshes) stays FSDP's own, uncompressed.
+backend's own reduce-scatter, FSDP's result exactly.
+
+HSDP (replicas of a sharded model): FSDP2's native HSDP (a 2-D mesh) all-reduces each shard across
+replicas itself, uncompressed, with no way to replace that collective. gradsync compresses it
+where the model is sharded over the shard dimension alone (fully_shard(..., mesh=mesh["shard"]))
+and register() is given the replicas' group: FSDP then calls gradsync after each reduce-scatter
+(FSDPModule.set_all_reduce_hook), and gradsync averages the shard across replicas by the same
+path as a DDP bucket (any dense codec, error feedback on the shard), so replicas hold the same bits.
 """
 
 from __future__ import annotations
@@ -47,10 +53,14 @@ class ShardedState(SyncState):
     model.modules() order), each reduced to this rank's shard. Returned by gradsync.register()
     for an FSDP2 model; its stats(), state_dict() and load_state_dict() are SyncState's."""
 
-    def __init__(self, config: SyncConfig, comm: Comm, model: nn.Module) -> None:
+    def __init__(
+        self, config: SyncConfig, comm: Comm, model: nn.Module, replicas: Comm | None = None
+    ) -> None:
         super().__init__(config, comm, model)
         self._calls: dict[int, int] = {}  # group -> reduce-scatters so far: its step
         self._resumed_at = 0  # the step a restored state resumes at: every group's first
+        # HSDP: each group's shard averaged across replicas, a DDP bucket's path over `replicas`.
+        self.replicas = SyncState(config, replicas) if replicas is not None else None
 
     def reduce_scatter(
         self, x: torch.Tensor, out: torch.Tensor, group: int, comm: Comm, average: bool
@@ -95,9 +105,45 @@ class ShardedState(SyncState):
             out.fill_(math.nan)  # on every rank (agreed): AMP's GradScaler skips the step
         self._record(result, x, group, step, strategy, point, started, reference_nbytes=reference)
 
+    def all_reduce_replicas(self, shard: torch.Tensor, group: int) -> None:
+        """Average this rank's shard of `group`'s gradient (already reduced over the shard group)
+        across replicas, in place: every replica ends with the same bits."""
+        replicas = self.replicas
+        assert replicas is not None
+        step = self._calls[group] - 1  # this step's reduce-scatter of the group came first
+        if not replicas._ranks_agree:
+            replicas._check_ranks_agree(shard.device)
+        replicas.step = max(replicas.step, step + 1)
+        with replicas._failures_named(f"group {group}'s replica all-reduce at step {step}"):
+            future = replicas._sync_group(shard, group, step, True, None)
+            replicas.lane.drain()
+            average = future.wait()
+        if average is not shard:
+            shard.copy_(average)
+
+    def _own_state(self) -> dict[str, Any]:
+        own = super()._own_state()
+        if self.replicas is not None:
+            own["replicas"] = self.replicas._own_state()
+        return own
+
+    def _state_problems(self, state: Any) -> list[str]:
+        found = super()._state_problems(state)
+        if (self.replicas is not None) != ("replicas" in state):
+            found.append(
+                "it was saved with"
+                + (" no" if self.replicas is not None else "")
+                + " replicate_group, and this run registered with"
+                + ("" if self.replicas is not None else " no")
+                + " replicate_group: register as the saving run did"
+            )
+        return found
+
     def _restore(self, state: Any) -> None:
         super()._restore(state)
         self._calls, self._resumed_at = {}, self.step
+        if self.replicas is not None:
+            self.replicas._restore(state["replicas"])
 
 
 class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
@@ -130,13 +176,42 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         return None
 
 
-def register(model: nn.Module, config: SyncConfig) -> ShardedState:
-    """Install gradsync as the gradient reduce-scatter of every fully_shard-ed module of `model`."""
-    state = ShardedState(config, TorchComm(None), model)
+class _ReplicaAllReduce:
+    """One FSDP module's all-reduce hook: its shard averaged across replicas as group `group`."""
+
+    def __init__(self, state: ShardedState, group: int) -> None:
+        self.state, self.group = state, group
+
+    def __call__(self, shard: torch.Tensor) -> None:
+        self.state.all_reduce_replicas(shard, self.group)
+
+
+def register(
+    model: nn.Module, config: SyncConfig, replicate_group: dist.ProcessGroup | None = None
+) -> ShardedState:
+    """Install gradsync as the gradient reduce-scatter of every fully_shard-ed module of `model`,
+    and, given the replicas' group (HSDP), as the all-reduce of each shard across replicas."""
     shards = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if replicate_group is not None and any(_meshes(model)):
+        raise ValueError(
+            "register(..., replicate_group=...) on a model sharded over a 2-D mesh: FSDP's native HSDP "
+            "already all-reduces across replicas (uncompressed); shard over the shard dimension alone, "
+            'fully_shard(module, mesh=mesh["shard"]), for gradsync to compress that all-reduce, or drop '
+            "replicate_group"
+        )
+    replicas = TorchComm(replicate_group) if replicate_group is not None else None
+    state = ShardedState(config, TorchComm(None), model, replicas)
     for index, module in enumerate(shards):
         module.set_custom_reduce_scatter(_CompressedReduceScatter(state, index))
+        if replicas is not None:
+            module.set_all_reduce_hook(_ReplicaAllReduce(state, index))
     return state
+
+
+def _meshes(model: nn.Module) -> list[bool]:
+    """For each sharded parameter, whether its mesh has two dimensions (native HSDP)."""
+    meshes = [getattr(p, "device_mesh", None) for p in model.parameters()]
+    return [mesh is not None and mesh.ndim > 1 for mesh in meshes]
 
 
 def is_sharded(model: nn.Module) -> bool:

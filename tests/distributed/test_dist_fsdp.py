@@ -5,19 +5,25 @@
   (bf16(g_0) + bf16(g_1) + bf16(g_2)) / 3 of the ranks' own gradients (computed by an unsharded
   copy of the model and gathered), summed in rank order, and a step sends half the bytes.
 - Training with bf16 ends within 0.5% of FSDP's loss on held-out data; int4 (error feedback) too.
-- A checkpoint (DCP: model, optimizer and gradsync's state) resumes the exact trajectory.
+- A checkpoint (DCP: model, optimizer and gradsync's state) resumes the exact trajectory, also
+  under HSDP.
+- HSDP on 4 ranks (2 replicas of 2 shards): with the replicas' group, gradsync averages each
+  shard across replicas too: the gradient is the mean over all 4 ranks', bit-identical on every
+  rank, and bf16 halves the replica all-reduce's bytes.
 - What it cannot run is refused by name: a sparsifier, a plan, a feedback form that mirrors the
   whole sum, a reduction in bf16.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import gradsync
@@ -36,12 +42,17 @@ def make(seed: int) -> nn.Module:
     return net
 
 
-def shard(net: nn.Module) -> nn.Module:
+def shard(net: nn.Module, mesh=None) -> nn.Module:
     for layer in net:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(net)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     return net
+
+
+def hsdp_mesh():
+    """4 ranks: 2 replicas, each sharding the model over 2 ranks."""
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
 
 def batch(rank: int, step: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,22 +150,26 @@ def held_out_loss_at_start() -> float:
     return held_out_loss(make(0))
 
 
-def resume(rank: int, world_size: int, where: str) -> dict:
+def resume(rank: int, world_size: int, where: str, replicated: bool = False) -> dict:
     cfg = config(compressor="int4")  # error feedback: a memory per rank
-    continuous = shard(make(0))
-    gradsync.register(continuous, cfg)
+    mesh = hsdp_mesh() if replicated else None
+
+    def sharded(seed: int) -> tuple[nn.Module, gradsync.SyncState]:
+        net = shard(make(seed), mesh["shard"] if mesh else None)
+        replicas = mesh["replicate"].get_group() if mesh else None
+        return net, gradsync.register(net, cfg, replicate_group=replicas)
+
+    continuous, _ = sharded(0)
     opt = sgd(continuous)
     train(continuous, opt, rank, range(16))
-    first = shard(make(0))
-    state = gradsync.register(first, cfg)
+    first, state = sharded(0)
     opt = sgd(first)
     train(first, opt, rank, range(8))
     model_sd, optim_sd = get_state_dict(first, opt)
     dcp.save({"model": model_sd, "optim": optim_sd, "gradsync": state}, checkpoint_id=where)
     out = {"continuous": full(continuous)}
     for with_state in (True, False):
-        net = shard(make(1))
-        state = gradsync.register(net, cfg)
+        net, state = sharded(1)
         opt = sgd(net)
         model_sd, optim_sd = get_state_dict(net, opt)
         loaded = {"model": model_sd, "optim": optim_sd, **({"gradsync": state} if with_state else {})}
@@ -165,10 +180,44 @@ def resume(rank: int, world_size: int, where: str) -> dict:
     return out
 
 
-def test_a_dcp_checkpoint_resumes_the_exact_trajectory(tmp_path) -> None:
-    for rank, out in enumerate(run_ranks(resume, 2, (str(tmp_path),), timeout_s=120)):
+@pytest.mark.parametrize("replicated", [False, True], ids=["fsdp", "hsdp"])
+def test_a_dcp_checkpoint_resumes_the_exact_trajectory(tmp_path, replicated: bool) -> None:
+    ranks = 4 if replicated else 2
+    for rank, out in enumerate(run_ranks(resume, ranks, (str(tmp_path), replicated), timeout_s=180)):
         assert torch.equal(out["resumed"], out["continuous"]), f"rank {rank} left the trajectory"
         assert not torch.equal(out["without_state"], out["continuous"]), "gradsync's state made no difference"
+
+
+def hsdp_gradients(rank: int, world_size: int) -> dict:
+    mesh = hsdp_mesh()
+    out = {}
+    for name in ("none", "bf16"):
+        net, plain = shard(make(0), mesh["shard"]), make(0)
+        cfg = config(compressor=name, warmup_steps=0)
+        state = gradsync.register(net, cfg, replicate_group=mesh["replicate"].get_group())
+        x, y = batch(rank, 0)
+        nn.functional.cross_entropy(net(x), y).backward()
+        nn.functional.cross_entropy(plain(x), y).backward()
+        mine = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
+        every = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(every, mine)
+        out[f"{name} mean"] = torch.stack(every).mean(dim=0)
+        out[f"{name} grad"] = torch.cat([p.grad.full_tensor().reshape(-1) for p in net.parameters()])
+        out[f"{name} ratio"] = state.replicas.stats()["last_step"]["compression_ratio"]
+    return out
+
+
+def test_hsdp_averages_over_every_rank_and_replicas_hold_the_same_bits() -> None:
+    results = run_ranks(hsdp_gradients, 4, timeout_s=120)
+    for name, tolerance in (("none", 1e-6), ("bf16", 1e-2)):
+        mean, grad = results[0][f"{name} mean"], results[0][f"{name} grad"]
+        assert torch.allclose(grad, mean, rtol=tolerance, atol=tolerance * mean.abs().max()), name
+        assert not torch.allclose(grad, mean / 2, rtol=tolerance), "the test cannot tell a half-average"
+        for rank, out in enumerate(results[1:], start=1):
+            assert torch.equal(out[f"{name} grad"], grad), (
+                f"{name}: rank {rank}'s gradient differs from rank 0's"
+            )
+    assert results[0]["bf16 ratio"] >= 1.9 and results[0]["none ratio"] == 1.0, results[0]
 
 
 def refusals(rank: int, world_size: int) -> dict:
@@ -181,6 +230,14 @@ def refusals(rank: int, world_size: int) -> dict:
     for name, cfg in cases.items():
         try:
             gradsync.register(shard(make(0)), cfg)
+            out[name] = None
+        except ValueError as error:
+            out[name] = str(error)
+    two_d = shard(make(0), init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    ddp = torch.nn.parallel.DistributedDataParallel(make(0))
+    for name, model in (("native hsdp", two_d), ("ddp", ddp)):
+        try:
+            gradsync.register(model, config(compressor="bf16"), replicate_group=dist.group.WORLD)
             out[name] = None
         except ValueError as error:
             out[name] = str(error)
@@ -206,3 +263,5 @@ def test_what_fsdp_cannot_run_is_refused_by_name() -> None:
     assert "drop plan" in out["plan"], out
     assert "'ef21'" in out["ef21"] and "('none', 'ef')" in out["ef21"], out
     assert "reduce_dtype=torch.float32" in out["bf16 reduction"], out
+    assert "2-D mesh" in out["native hsdp"] and 'mesh=mesh["shard"]' in out["native hsdp"], out
+    assert "drop replicate_group" in out["ddp"], out
