@@ -20,6 +20,9 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
   every block, then on the whole); plain `fsdp` is FSDP's own fp32 reduce-scatter (a reference
   where `ddp` is not run), with a compressor gradsync is its reduce-scatter (gradsync.fsdp; `ef`
   and `warmup` as for gradsync). Evaluated on an unsharded copy of the parameters.
+- `torchft-diloco[:sync_every=H:outer_lr=L:outer_momentum=M]`: torchft's own DiLoCo (`pip install
+  torchft`) on the plain model, fp32 outer gradients, a baseline for gradsync's
+  (bench/torchft_diloco.py). Evaluated on its global parameters.
 - `auto[:compressor=NAME:key=value...]`: gradsync with SyncConfig(plan="auto"): it measures the
   first steps, plans per group among fp32, fp16, bf16 and NAME (default SyncConfig's) with its
   arguments, confirms the best candidates on real steps and adopts the fastest measured.
@@ -32,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -48,10 +52,13 @@ from ..diloco import DEFAULTS as DILOCO_DEFAULTS
 from ..diloco import DiLoCo, check_options
 from ..exchange import allreduce_sent_nbytes
 from ..strategy import shards
+from .torchft_diloco import OPTIONS as TORCHFT_OPTIONS
+from .torchft_diloco import TorchftDiLoCo
 
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 DILOCO = "diloco"
 FSDP = "fsdp"
+TORCHFT = "torchft-diloco"
 _DILOCO_OPTIONS = {
     "sync_every": 50,
     "outer_lr": 0.7,
@@ -69,14 +76,14 @@ class Strategy:
     """One way to exchange gradients: a baseline, or gradsync with a SyncConfig."""
 
     text: str  # as given, e.g. "topk:ratio=0.001"
-    kind: str  # "ddp", "torch-fp16", "torch-powersgd", "gradsync", "diloco" or "fsdp"
+    kind: str  # "ddp", "torch-fp16", "torch-powersgd", "gradsync", "diloco", "torchft-diloco" or "fsdp"
     options: dict[str, Any]
     config: SyncConfig | None = None  # gradsync, diloco (how the outer gradient is sent), fsdp with a codec
 
     @property
     def wraps_in_ddp(self) -> bool:
-        """Whether the model is trained under DDP: all but DiLoCo (the plain model) and FSDP2."""
-        return self.kind not in (DILOCO, FSDP)
+        """Whether the model is trained under DDP: all but DiLoCo's (the plain model) and FSDP2."""
+        return self.kind not in (DILOCO, TORCHFT, FSDP)
 
     @property
     def is_reference(self) -> bool:
@@ -98,6 +105,8 @@ class Strategy:
     def warmup_steps(self) -> int:
         """Steps before this strategy compresses: gradsync's warm-up (plan="auto" measures and
         confirms in it), PowerSGD's start step."""
+        if self.kind == TORCHFT:
+            return 0
         if self.config is None:
             return WARMUP_STEPS
         if self.kind == DILOCO:
@@ -117,6 +126,10 @@ class Strategy:
             return f"torch PowerSGD rank {self.options['rank']}"
         if self.kind == FSDP and self.config is None:
             return "FSDP2 fp32 (no hook)"
+        if self.kind == TORCHFT:
+            o = self.options
+            name = "Local SGD" if (o["outer_lr"], o["outer_momentum"]) == (1.0, 0.0) else "DiLoCo"
+            return f"torchft {name} H={o['sync_every']} (fp32)"
         assert self.config is not None
         if self.kind == FSDP:
             feedback = self.config.feedback_name
@@ -165,6 +178,8 @@ def parse(text: str) -> Strategy:
         return _diloco(text, options)
     if name == FSDP:
         return _fsdp(text, options)
+    if name == TORCHFT:
+        return _torchft(text, options)
     plan = None
     if name == AUTO_PLAN:
         plan, name = AUTO_PLAN, options.pop("compressor", SyncConfig().compressor)
@@ -203,6 +218,24 @@ def _diloco(text: str, options: dict[str, Any]) -> Strategy:
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"strategy {text!r}: {err}") from err
     return Strategy(text, DILOCO, outer, config)
+
+
+def _torchft(text: str, options: dict[str, Any]) -> Strategy:
+    unknown = sorted(set(options) - set(TORCHFT_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"strategy {text!r}: unknown option(s) {unknown}; it takes {sorted(TORCHFT_OPTIONS)}"
+        )
+    merged = {**TORCHFT_OPTIONS, **options}
+    try:
+        check_options(**{**DILOCO_DEFAULTS, **merged})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"strategy {text!r}: {err}") from err
+    if importlib.util.find_spec("torchft") is None:
+        raise ValueError(
+            f"strategy {text!r} runs torchft's DiLoCo, and torchft is not installed: pip install torchft"
+        )
+    return Strategy(text, TORCHFT, merged)
 
 
 def _fsdp(text: str, options: dict[str, Any]) -> Strategy:
@@ -282,7 +315,7 @@ class Installed:
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.gradsync = None
         self.powersgd = None
-        self.diloco = None
+        self.diloco: Any = None  # gradsync.DiLoCo, or torchft's (the same three methods the run asks)
         self.unsharded: nn.Module | None = None  # FSDP2: a plain copy the parameters are gathered into
         self._counted = {"sent_nbytes": 0, "seconds": 0.0}  # DiLoCo's totals as of the last step
         if strategy.kind == "torch-fp16":
@@ -301,6 +334,8 @@ class Installed:
             model.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
         elif strategy.kind == "gradsync" or (strategy.kind == FSDP and strategy.config is not None):
             self.gradsync = register(model, strategy.config)
+        elif strategy.kind == TORCHFT:
+            self.diloco = TorchftDiLoCo(model, optimizer, strategy.options)
         elif strategy.kind == DILOCO:
             config = strategy.config
             assert config is not None

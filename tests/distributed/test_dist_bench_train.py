@@ -137,3 +137,29 @@ def test_fsdp_runs_are_measured_against_fsdps_own(tmp_path: Path):
     # Only the 160 x 160 layer is over min_compress_numel here; it sends half its bytes.
     assert bf16["sent_nbytes"][4] < 0.7 * fsdp["sent_nbytes"][4]
     assert "FSDP2's held-out loss" in report.headline(document)
+
+
+def test_gradsyncs_diloco_trains_as_torchfts_does(tmp_path: Path):
+    # torchft's DiLoCo (its lighthouse, Managers and gloo process group) and gradsync's, fp32 outer
+    # gradients, from the same weights on the same data: the same held-out losses at every
+    # evaluation, for DiLoCo's outer Nesterov step and for Local SGD's plain average.
+    pytest.importorskip("torchft", reason="the torchft extra: pip install -e '.[torchft]'")
+    pairs = [("diloco:sync_every=5", "torchft-diloco:sync_every=5")]
+    local = ":outer_lr=1:outer_momentum=0"
+    pairs.append((pairs[0][0] + local, pairs[0][1] + local))
+    options = train.BenchOptions(
+        workload="mlp-wide",
+        workload_options=_SMALL,
+        world_size=2,
+        strategies=tuple(s for pair in pairs for s in pair),
+        steps=20,
+        eval_every=5,
+        probe_steps=1,
+        timeout_s=240,
+    )
+    runs = {r["strategy"]: r for r in train.run(options, train.loopback(), progress=False)["runs"]}
+    for ours, theirs in pairs:
+        losses = [e["loss"] for e in runs[ours]["evals"]]
+        assert losses == pytest.approx([e["loss"] for e in runs[theirs]["evals"]], rel=1e-6), (ours, theirs)
+        assert losses[-1] < losses[0] and runs[ours]["sent_nbytes"] == runs[theirs]["sent_nbytes"]
+    assert runs[pairs[0][0]]["evals"][-1]["loss"] != runs[pairs[1][0]]["evals"][-1]["loss"]
