@@ -20,7 +20,9 @@ replicas itself, uncompressed, with no way to replace that collective. gradsync 
 where the model is sharded over the shard dimension alone (fully_shard(..., mesh=mesh["shard"]))
 and register() is given the replicas' group: FSDP then calls gradsync after each reduce-scatter
 (FSDPModule.set_all_reduce_hook), and gradsync averages the shard across replicas by the same
-path as a DDP bucket (any dense codec, error feedback on the shard), so replicas hold the same bits.
+path as a DDP bucket (the config's codec, error feedback on the shard), so replicas hold the same
+bits. The hook waits for that exchange: it does not overlap the backward pass. FSDP's
+set_requires_all_reduce(False) has no effect on it (FSDP asks that of its native HSDP only).
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ class ShardedState(SyncState):
     ) -> None:
         super().__init__(config, comm, model)
         self._calls: dict[int, int] = {}  # group -> reduce-scatters so far: its step
+        self._replica_calls: dict[int, int] = {}  # group -> replica all-reduces so far
         self._resumed_at = 0  # the step a restored state resumes at: every group's first
-        # HSDP: each group's shard averaged across replicas, a DDP bucket's path over `replicas`.
-        self.replicas = SyncState(config, replicas) if replicas is not None else None
+        # HSDP: each group's shard averaged across replicas, a DDP bucket's path over `replicas`
+        # (its own stats(); its memories are checkpointed with this state's).
+        self.replica_state = SyncState(config, replicas) if replicas is not None else None
 
     def reduce_scatter(
         self, x: torch.Tensor, out: torch.Tensor, group: int, comm: Comm, average: bool
@@ -108,9 +112,12 @@ class ShardedState(SyncState):
     def all_reduce_replicas(self, shard: torch.Tensor, group: int) -> None:
         """Average this rank's shard of `group`'s gradient (already reduced over the shard group)
         across replicas, in place: every replica ends with the same bits."""
-        replicas = self.replicas
+        replicas = self.replica_state
         assert replicas is not None
-        step = self._calls[group] - 1  # this step's reduce-scatter of the group came first
+        # Counted here, not from the reduce-scatter: FSDP skips that on a one-rank shard group.
+        step = self._replica_calls.get(group, self._resumed_at)
+        self._replica_calls[group] = step + 1
+        self.step = max(self.step, step + 1)
         if not replicas._ranks_agree:
             replicas._check_ranks_agree(shard.device)
         replicas.step = max(replicas.step, step + 1)
@@ -123,27 +130,30 @@ class ShardedState(SyncState):
 
     def _own_state(self) -> dict[str, Any]:
         own = super()._own_state()
-        if self.replicas is not None:
-            own["replicas"] = self.replicas._own_state()
+        if self.replica_state is not None:
+            own["replicas"] = self.replica_state._own_state()
         return own
 
     def _state_problems(self, state: Any) -> list[str]:
         found = super()._state_problems(state)
-        if (self.replicas is not None) != ("replicas" in state):
+        if (self.replica_state is not None) != ("replicas" in state):
+            saved, now = ("no ", "") if self.replica_state is not None else ("", "no ")
             found.append(
-                "it was saved with"
-                + (" no" if self.replicas is not None else "")
-                + " replicate_group, and this run registered with"
-                + ("" if self.replicas is not None else " no")
-                + " replicate_group: register as the saving run did"
+                f"it was saved with {saved}replicate_group and this run registered with {now}"
+                "replicate_group: register as the saving run did"
             )
+        elif self.replica_state is not None:
+            found += [
+                f"its replica state: {problem}"
+                for problem in self.replica_state._state_problems(state["replicas"])
+            ]
         return found
 
     def _restore(self, state: Any) -> None:
         super()._restore(state)
-        self._calls, self._resumed_at = {}, self.step
-        if self.replicas is not None:
-            self.replicas._restore(state["replicas"])
+        self._calls, self._replica_calls, self._resumed_at = {}, {}, self.step
+        if self.replica_state is not None:
+            self.replica_state._restore(state["replicas"])
 
 
 class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
@@ -199,6 +209,8 @@ def register(
             'fully_shard(module, mesh=mesh["shard"]), for gradsync to compress that all-reduce, or drop '
             "replicate_group"
         )
+    if replicate_group is not None:
+        _check_crossing(model, replicate_group)
     replicas = TorchComm(replicate_group) if replicate_group is not None else None
     state = ShardedState(config, TorchComm(None), model, replicas)
     for index, module in enumerate(shards):
@@ -206,6 +218,23 @@ def register(
         if replicas is not None:
             module.set_all_reduce_hook(_ReplicaAllReduce(state, index))
     return state
+
+
+def _check_crossing(model: nn.Module, replicate_group: dist.ProcessGroup) -> None:
+    """The replicas' group must meet each shard group at this rank alone: it then joins the
+    ranks holding the same shard. Another group would average different shards together."""
+    me, replicas = dist.get_rank(), set(dist.get_process_group_ranks(replicate_group))
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        shards = set(dist.get_process_group_ranks(mesh.get_group())) if mesh is not None else {me}
+        if replicas & shards != {me}:
+            raise ValueError(
+                f"replicate_group holds ranks {sorted(replicas)} and this rank's shard group "
+                f"{sorted(shards)}: "
+                f"they must meet at this rank ({me}) alone, replicas being the ranks that hold the same "
+                'shard; pass mesh["replicate"].get_group() of the mesh whose "shard" dimension sharded '
+                "the model"
+            )
 
 
 def _meshes(model: nn.Module) -> list[bool]:

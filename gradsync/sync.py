@@ -91,7 +91,8 @@ class SyncState:
         """`comm`: the ranks to average over. None binds the default process group at the first
         exchange, so that a state can be handed to a framework before it creates the group:
         DDPStrategy(ddp_comm_hook=gradsync.hook, ddp_comm_state=gradsync.SyncState(config)) in
-        Lightning. Without `model` the state works on DDP's buckets alone (see gradsync.ddp)."""
+        Lightning; pass TorchComm(group) where DDP averages over another group. Without `model`
+        the state works on DDP's buckets alone (see gradsync.ddp)."""
         if not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
         # -- hyperparameters
@@ -279,8 +280,11 @@ class SyncState:
         self._restore(mine)
 
     def __getstate__(self) -> dict[str, Any]:
-        # The process group and the model cannot be pickled; everything else can.
-        return {**self.__dict__, "comm": None, "_param_index": None}
+        # The process group and the model cannot be pickled; everything else can. A state bound to
+        # a group refuses to sync once unpickled; one still waiting to bind the default group binds
+        # wherever it is unpickled (a framework may pickle it to its processes, as ddp_spawn does).
+        unbound = self._binds_default_group and self.comm is None
+        return {**self.__dict__, "comm": None, "_param_index": None, "_binds_default_group": unbound}
 
     # -- one group's path -----------------------------------------------------------------------
 
@@ -468,7 +472,7 @@ class SyncState:
         self._key_rank = dist.get_rank() if isinstance(comm, TorchComm) else comm.rank
 
     def _comm(self) -> Comm:
-        if self.comm is None and self._binds_default_group:
+        if self.comm is None and getattr(self, "_binds_default_group", False):
             if not dist.is_initialized():
                 raise RuntimeError(
                     "this SyncState averages over the default process group, which does not exist yet; "

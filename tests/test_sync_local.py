@@ -398,6 +398,12 @@ def test_a_state_made_before_the_process_group_says_to_create_it_first() -> None
         state.state_dict()
     with pytest.raises(TypeError, match=r"gradsync\.SyncConfig, got dict"):
         SyncState({"compressor": "int4"})  # type: ignore[arg-type]
+    # Unpickled, a state not yet bound still waits for the default group; a bound one refuses.
+    assert pickle.loads(pickle.dumps(state))._binds_default_group
+    bound = SyncState(SyncConfig(warmup_steps=0))
+    bound._bind(LocalComm())
+    with pytest.raises(RuntimeError, match="unpickled"):
+        sync(pickle.loads(pickle.dumps(bound)), gradients(1)[0])
 
 
 def test_a_bucket_whose_size_changed_raises_value_error() -> None:

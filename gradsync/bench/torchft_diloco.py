@@ -32,15 +32,15 @@ class TorchftDiLoCo:
     the benchmark asks of gradsync.DiLoCo: global_parameters(), stats(), close()."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # its quorum logs every sync otherwise
         from torchft import Manager
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
         from torchft.process_group import ProcessGroupGloo
 
-        os.environ.setdefault("RUST_LOG", "warn")  # its quorum logs every sync otherwise
         rank, world_size = dist.get_rank(), dist.get_world_size()
         host = _own_address()
-        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world_size) if rank == 0 else None
+        self.lighthouse = LighthouseServer(bind="0.0.0.0:0", min_replicas=world_size) if rank == 0 else None
         box = [f"http://{host}:{self.lighthouse.address().rsplit(':', 1)[1]}" if self.lighthouse else None]
         dist.broadcast_object_list(box)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -84,12 +84,20 @@ class TorchftDiLoCo:
         return [saved[name].clone() for name, p in self.model.named_parameters() if p.requires_grad]
 
     def stats(self) -> dict[str, Any]:
-        """gradsync.DiLoCo.stats()'s totals: an fp32 ring all-reduce of the parameters per sync."""
-        syncs = self.steps // self.sync_every
-        sent = syncs * allreduce_sent_nbytes(4 * self.numel, self.world_size)
+        """gradsync.DiLoCo.stats()'s totals, by the formula (torchft counts no bytes): an fp32
+        ring all-reduce of the parameters per committed sync (torchft's step; quorum traffic not
+        counted)."""
+        sent = self.manager.current_step() * allreduce_sent_nbytes(4 * self.numel, self.world_size)
         return {"total": {"sent_nbytes": sent, "compress_s": 0.0, "decompress_s": 0.0}}
 
     def close(self) -> None:
+        """Leave torchft; a sync it failed to commit (it trains on, restoring the parameters) is
+        an error here, since a benchmark must not compare a run that skipped syncs."""
+        syncs = self.manager.current_step()
+        if syncs != self.steps // self.sync_every:
+            raise RuntimeError(
+                f"torchft committed {syncs} syncs in {self.steps} steps of sync_every={self.sync_every}"
+            )
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown()
         dist.barrier()  # every Manager has left the quorum before its lighthouse goes

@@ -175,9 +175,9 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
     """Per-run statistics and time-to-target from rank 0's raw measurements. Pure.
 
     Step times and bytes (means; the step's median and p90 too) count steady steps only (from
-    `options.steady_from`). The target is the
-    DDP run's final held-out loss times (1 + tolerance); a run reaches it at its first evaluation
-    at or below it, and its time-to-target is the training wall-clock time of that evaluation.
+    `options.steady_from`). The target is the reference run's (DDP's, else FSDP2's own) final
+    held-out loss times (1 + tolerance); a run reaches it at its first evaluation at or below it,
+    and its time-to-target is the training wall-clock time of that evaluation.
     """
     references = [r for r in raw if strategies.parse(r["strategy"]).is_reference]
     reference = min(references, key=lambda r: strategies.parse(r["strategy"]).kind != "ddp", default=None)

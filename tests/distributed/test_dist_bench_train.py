@@ -161,5 +161,7 @@ def test_gradsyncs_diloco_trains_as_torchfts_does(tmp_path: Path):
     for ours, theirs in pairs:
         losses = [e["loss"] for e in runs[ours]["evals"]]
         assert losses == pytest.approx([e["loss"] for e in runs[theirs]["evals"]], rel=1e-6), (ours, theirs)
-        assert losses[-1] < losses[0] and runs[ours]["sent_nbytes"] == runs[theirs]["sent_nbytes"]
+        assert losses[-1] < losses[0]
+        # torchft's bytes are counted from its committed syncs: all 4 of them, as gradsync's.
+        assert runs[ours]["sent_nbytes"] == runs[theirs]["sent_nbytes"]
     assert runs[pairs[0][0]]["evals"][-1]["loss"] != runs[pairs[1][0]]["evals"][-1]["loss"]

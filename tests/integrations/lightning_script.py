@@ -1,5 +1,5 @@
 """A user's Lightning training script with gradsync's callback, run by
-tests/integrations/test_lightning.py under torchrun on 2 CPU ranks (strategy="ddp", gloo).
+tests/integrations/test_frameworks.py under torchrun on 2 CPU ranks (strategy="ddp", gloo).
 
 In one launch it fits 16 steps (2 epochs) without a break, ModelCheckpoint saving at each epoch's
 end, then fits a fresh module (initialized differently) from the first epoch's checkpoint, at step 8,
@@ -7,11 +7,11 @@ to step 16. The data is drawn from the rank and the step, not from the loader: L
 resume from an epoch's end checkpoint does not replay the loader's order exactly (with plain
 DDP too), which is not what this tests.
 
-Then it fits 16 steps with DDPStrategy(ddp_comm_hook=gradsync.hook, ddp_comm_state=SyncState(config)),
-the state made before Lightning creates the process group (it binds the default group at its first
-exchange). Lightning installs a comm hook only on CUDA; the strategy here runs Lightning's own
-installer on CPU as it would on a GPU. Each rank writes to OUT/rank<r>.pt the parameters and
-gradsync's own state (its error memories) after each run.
+First of all it fits 16 steps with DDPStrategy(ddp_comm_hook=gradsync.hook,
+ddp_comm_state=SyncState(config)), the state made before Lightning creates the process group (it
+binds the default group at its first exchange). Lightning installs a comm hook only on CUDA; the
+strategy here runs Lightning's own installer on CPU as it would on a GPU. Each rank writes to
+OUT/rank<r>.pt the parameters and gradsync's own state (its error memories) after each run.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class CommHookOnCpu(DDPStrategy):
 
 
 def fit_with_comm_hook() -> tuple[Net, gradsync.SyncState]:
+    assert not torch.distributed.is_initialized()
     state = gradsync.SyncState(CONFIG)  # before Lightning creates the process group
     strategy = CommHookOnCpu(ddp_comm_hook=gradsync.hook, ddp_comm_state=state)
     trainer = pl.Trainer(
@@ -110,13 +111,14 @@ def fit_with_comm_hook() -> tuple[Net, gradsync.SyncState]:
 
 def main(out: str) -> None:
     rank = int(os.environ["RANK"])
+    # First, while no process group exists: Lightning keeps the one it creates for later fits.
+    hooked, state = fit_with_comm_hook()
+    results = {"comm_hook": flat(hooked), "comm_hook_state": own(state, rank)}
     module, callback = fit(out, seed=0)
-    results = {"continuous": flat(module), "continuous_state": own(callback.state, rank)}
+    results |= {"continuous": flat(module), "continuous_state": own(callback.state, rank)}
     results["compression_ratio"] = callback.state.stats()["last_step"]["compression_ratio"]
     module, callback = fit(os.path.join(out, "resumed"), seed=1, ckpt=os.path.join(out, "epoch=0.ckpt"))
     results |= {"resumed": flat(module), "resumed_state": own(callback.state, rank)}
-    module, state = fit_with_comm_hook()
-    results |= {"comm_hook": flat(module), "comm_hook_state": own(state, rank)}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
