@@ -138,8 +138,9 @@ def digest(shapes: Sequence[torch.Size]) -> str:
 
 class AllRanks:
     """A SyncState as a framework that saves from rank 0 only needs it: state_dict() gathers every
-    rank's state into one (full_state_dict(): a collective, which such frameworks call on every
-    rank before rank 0 writes), and load_state_dict(), on every rank, takes each rank's own part.
+    rank's state into one on rank 0 (full_state_dict(to=0): a collective, which such frameworks
+    call on every rank before rank 0 writes; the other ranks get {}), and load_state_dict(), on
+    every rank, takes each rank's own part.
 
     Example (Accelerate, whose save_state writes custom objects from rank 0 only):
         >>> accelerator.register_for_checkpointing(gradsync.AllRanks(state))
@@ -149,7 +150,7 @@ class AllRanks:
         self.state = state  # a SyncState (not imported: the runtime imports this module)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.state.full_state_dict()
+        return self.state.full_state_dict(to=0)  # the saving rank alone holds every rank's
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.state.load_state_dict(state)

@@ -257,6 +257,20 @@ def allgather_object(comm: Comm, obj: Any, device: torch.device) -> list[Any]:
     return [pickle.loads(chunk.cpu().numpy().tobytes()) for chunk in allgather_bytes(comm, data)]
 
 
+def gather_object(comm: Comm, obj: Any, dst: int, device: torch.device) -> list[Any] | None:
+    """Every rank's picklable object, in rank order, on rank `dst` alone (None on the others),
+    which hold only their own meanwhile. Blocks; for checkpoints, not for steps."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = [s for (s,) in allgather_sizes(comm, [data.numel()], device)]
+    if comm.rank != dst:
+        comm.sendrecv(dst, data, 0)
+        return None
+    chunks = [
+        data if peer == dst else comm.sendrecv(peer, data[:0], sizes[peer]) for peer in range(comm.world_size)
+    ]
+    return [pickle.loads(chunk.cpu().numpy().tobytes()) for chunk in chunks]
+
+
 class Lane:
     """Issues a SyncState's exchanges in the order they were asked for, on every rank alike.
 

@@ -61,8 +61,8 @@ class GradSync(pl.Callback):
             self._restored = None
 
     def state_dict(self) -> dict[str, Any]:
-        # Every rank is asked (a collective); rank 0 writes what it returns.
-        return self.state.full_state_dict() if self.state is not None else {}
+        # Every rank is asked (a collective); rank 0 writes what it returns, the others' is dropped.
+        return self.state.full_state_dict(to=0) if self.state is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores a DDP run's callbacks before fit starts: the state the next

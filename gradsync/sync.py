@@ -37,9 +37,11 @@ from .comm import (
     allgather_object,
     allreduce_sent_nbytes,
     completed,
+    gather_object,
     then,
 )
 from .compress import Compressor, lookup
+from .compress.base import check_int
 from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec
 from .feedback import Feedback
 from .regroup import Regroup
@@ -248,10 +250,18 @@ class SyncState:
             self._comm()  # a state on the default group binds it here if no step has yet
         return checkpoint.pack(self._own_state(), self._key_rank)
 
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self, to: int | None = None) -> dict[str, Any]:
         """Every rank's state_dict() merged into one, for a checkpoint that one rank saves: a
-        collective, call it on every rank. load_state_dict() takes each rank's own part of it."""
-        parts = allgather_object(self._comm(), self.state_dict(), collective_device(self._comm()))
+        collective, call it on every rank. load_state_dict() takes each rank's own part of it.
+        `to`: the one rank (of the state's group) that gets it; the others get {} and never hold
+        more than their own state (None: every rank gets it, world_size states in memory each)."""
+        comm = self._comm()
+        own = self.state_dict()
+        if to is None:
+            parts = allgather_object(comm, own, collective_device(comm))
+        else:
+            check_int("to", to, 0, comm.world_size - 1, why="a rank of the state's process group")
+            parts = gather_object(comm, own, to, collective_device(comm)) or []
         return {key: value for part in parts for key, value in part.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -7,6 +7,8 @@ bit-identical to the uninterrupted run's on every rank. The savers:
   per-rank files  torch.save(state.state_dict()) on every rank, each loading its own;
   rank-0 file     full_state_dict() on every rank (a collective), torch.save on rank 0 only,
                   every rank loading that one file;
+  rank-0 gather   the same with full_state_dict(to=0): only rank 0 receives every rank's state
+                  (the others get {}), as AllRanks and the Lightning callback save;
   dcp             torch.distributed.checkpoint, the state passed as a Stateful beside the
                   model's and optimizer's state dicts.
 
@@ -30,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import gradsync
 
 STEPS, SAVE_AT = 16, 8
-SAVERS = ("per-rank files", "rank-0 file", "dcp")
+SAVERS = ("per-rank files", "rank-0 file", "rank-0 gather", "dcp")
 CFG = {"compressor": "topk", "compressor_args": {"ratio": 0.05}, "error_feedback": "ef"}
 
 
@@ -49,7 +51,9 @@ def _save(saver: str, where: str, rank: int, model, opt, state: gradsync.SyncSta
     if saver == "per-rank files":
         torch.save({**trained, "gradsync": state.state_dict()}, os.path.join(where, f"rank{rank}.pt"))
         return
-    everyone = state.full_state_dict()  # on every rank: a collective
+    everyone = state.full_state_dict(to=0 if saver == "rank-0 gather" else None)  # a collective
+    if saver == "rank-0 gather" and rank != 0:
+        assert everyone == {}, f"rank {rank} received the gathered state: {sorted(everyone)}"
     if rank == 0:
         torch.save({**trained, "gradsync": everyone}, os.path.join(where, "all.pt"))
     dist.barrier()
