@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo bench-runtime tables bench-kernels bench-train bench-train-gpt-tiny bench-train-diloco bench-train-diloco-100mbit bench-train-torchft bench-train-fsdp bench-train-embed-lm bench-sparse bench-sim bench-fidelity bench-plan \
+.PHONY: demo bench-runtime tables bench-kernels bench-train bench-train-gpt-tiny bench-train-diloco bench-train-diloco-100mbit bench-train-diloco-gpt-tiny bench-train-torchft bench-train-fsdp bench-train-embed-lm bench-sparse bench-sim bench-fidelity bench-plan \
 	bench-plan-train test test-all lint clean
 
 # gpt-tiny on 4 ranks: plain DDP vs gradsync's default (int4) on the emulated 1 Gbit/s testbed (as
@@ -52,6 +52,12 @@ bench-train-diloco-100mbit: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload mlp-wide --world 4 --testbed --bandwidth 100mbit \
 		--strategies ddp,int4,diloco:sync_every=50:compressor=int4,diloco:sync_every=50:compressor=int4:fragments=5:delay=2 \
 		--steps 400 --eval-every 25 --timeout 7200 --out docs/bench-train-diloco-100mbit
+
+# DiLoCo and Streaming DiLoCo on gpt-tiny (AdamW inner steps), 4 testbed hosts at 1 Gbit/s.
+bench-train-diloco-gpt-tiny: $(STAMP)
+	$(BIN)/python -m gradsync bench train --workload gpt-tiny --world 4 --testbed \
+		--strategies ddp,diloco:sync_every=25:compressor=int4,diloco:sync_every=25:compressor=int4:fragments=5:delay=2 \
+		--steps 200 --eval-every 25 --out docs/bench-train-diloco-gpt-tiny
 
 # gradsync's DiLoCo beside torchft's (its lighthouse, Managers and gloo group; fp32 outer gradients,
 # as torchft quantizes only on CUDA) on mlp-wide, 4 testbed hosts at 1 Gbit/s.
