@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
+from . import native
 from .base import Compressor, Payload, check_int
 from .scratch import padded_rows, scaled_rows, scaled_rows_into, scratch
 
@@ -41,8 +42,15 @@ class Int8(Compressor):
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)
+        if flat.dtype == torch.float32 and self._native(flat):  # the same bits in one pass (native.c)
+            code_dtype = torch.int8 if self.bits == 8 else torch.uint8  # as _pack makes them
+            packed = torch.empty(packed_nbytes(flat.numel(), self.bits), dtype=code_dtype)
+            scales = torch.empty(-(-flat.numel() // self.block_size), dtype=torch.float32)
+            native.absmax_encode(flat, self.block_size, self.bits, packed, scales)
+            return (packed, scales), (x.shape, x.dtype)
         rows = padded_rows(flat, self.block_size, f"int{self.bits}")
-        absmax = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
+        # abs_: an all-zero block's maximum(0.0, -0.0) may be -0.0; its scale is +0.0, as native.c's.
+        absmax = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_()).abs_()
         scales = absmax / self.levels()
         # Divide by the scale rather than multiply by levels / absmax, which overflows to inf for
         # blocks below about 4e-37; all-zero blocks divide by 1, not 0.
@@ -58,6 +66,8 @@ class Int8(Compressor):
         return packed, 0
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        if ctx[1] == torch.float32 and self._native(*payload):
+            return self.decompress_into(torch.empty(ctx[0], dtype=torch.float32), payload, ctx)
         codes, offset = self._codes(payload, ctx)
         return scaled_rows(codes, self.block_size, payload[1], offset).to(ctx[1]).reshape(ctx[0])
 
@@ -68,6 +78,9 @@ class Int8(Compressor):
     def decompress_into(self, out: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
         if out.dtype != torch.float32:
             return super().decompress_into(out, payload, ctx)
+        if self._native(out, *payload):
+            self._decode_native(out, payload, ctx, mode=0)
+            return out
         codes, offset = self._codes(payload, ctx)
         scaled_rows_into(out.view(-1), codes, self.block_size, payload[1], offset)
         return out
@@ -75,15 +88,34 @@ class Int8(Compressor):
     def add_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
         if out.dtype != torch.float32:
             return super().add_decoded_(out, payload, ctx)
+        if self._native(out, *payload):
+            return self._decode_native(out, payload, ctx, mode=1)
         out += self.decompress_into(_scratch_like(out), payload, ctx)
 
     def sub_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
         if out.dtype != torch.float32:
             return super().sub_decoded_(out, payload, ctx)
+        if self._native(out, *payload):
+            return self._decode_native(out, payload, ctx, mode=2)
         out -= self.decompress_into(_scratch_like(out), payload, ctx)
+
+    def _native(self, *tensors: torch.Tensor) -> bool:
+        """Whether native.c's kernels run on `tensors` (float32 ones, as the callers check): on the
+        CPU, and (int4) with blocks that never share a byte, as an odd block_size would."""
+        wire_types = all(t.dtype in (torch.float32, torch.uint8, torch.int8) for t in tensors)
+        return wire_types and (self.bits == 8 or self.block_size % 2 == 0) and native.usable(*tensors)
+
+    def _decode_native(self, out: torch.Tensor, payload: Payload, ctx: Any, mode: int) -> None:
+        self._check(payload, ctx)
+        native.absmax_decode(out.view(-1), payload[0], payload[1], self.block_size, self.bits, mode)
 
     def _codes(self, payload: Payload, ctx: Any) -> tuple[torch.Tensor, int]:
         """The payload's codes, checked against the tensor it claims to be, and their offset."""
+        self._check(payload, ctx)
+        return self._unpack(payload[0], ctx[0].numel())
+
+    def _check(self, payload: Payload, ctx: Any) -> None:
+        """Refuse a payload that does not fit the tensor `ctx` describes."""
         packed, scales = payload
         shape, _ = ctx
         numel = shape.numel()
@@ -94,7 +126,6 @@ class Int8(Compressor):
                 f"tensor of {numel} elements needs {packed_nbytes(numel, self.bits)} and {num_blocks}: "
                 "it belongs to another tensor"
             )
-        return self._unpack(packed, numel)
 
     def payload_bytes(self, numel: int) -> int:
         return packed_nbytes(numel, self.bits) + 4 * -(-numel // self.block_size)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..wire import decode_indices, encode_indices
+from . import native
 from .base import Compressor, Payload, shape_ctx
 from .scratch import magnitude, scratch
 
@@ -103,19 +104,28 @@ def sampled_topk(flat: torch.Tensor, k: int, sample_ratio: float, generator: tor
         return torch.arange(numel, device=flat.device)
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=flat.device)
-    size = magnitude(flat)
     num_samples = min(numel, max(_MIN_SAMPLE, int(numel * sample_ratio)))
     sample_at = torch.randint(numel, (num_samples,), generator=generator, device=flat.device)
-    sample = size.index_select(0, sample_at)
+    sample = flat.index_select(0, sample_at).abs_()
     # Rank of the threshold within the sample, aiming for about 1.5k candidates overall.
     wanted = min(num_samples, max(1, int(num_samples * k / numel * OVERSELECT) + 1))
     while wanted < num_samples:
         threshold = sample.kthvalue(num_samples - wanted + 1).values
-        candidates = at_least(size, threshold)  # ascending
+        candidates = above(flat, float(threshold), expected=int(k * OVERSELECT * 1.25))
         if candidates.numel() >= k:
-            return _best_of(candidates, size.index_select(0, candidates), k)
+            return _best_of(candidates, flat.index_select(0, candidates).abs_(), k)
         wanted *= 4  # the sample underestimated the tail: lower the threshold and retry
     return exact_topk(flat, k)
+
+
+def above(flat: torch.Tensor, threshold: float, expected: int) -> torch.Tensor:
+    """Ascending int64 indices of the entries of 1-D `flat` with |flat| >= threshold (compared in
+    flat's dtype); `expected`, about how many, sizes the native kernel's first try. One pass of
+    native.c's kernel where it runs, else magnitudes and at_least."""
+    if flat.dtype == torch.float32 and native.usable(flat):
+        return native.at_least(flat, threshold, expected)
+    size = magnitude(flat)
+    return at_least(size, torch.tensor(threshold, dtype=size.dtype))
 
 
 def at_least(size: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:

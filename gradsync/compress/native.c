@@ -1,0 +1,160 @@
+/* gradsync's CPU kernels: the codecs' full-size passes fused into one loop each.
+ *
+ * Each function computes, bit for bit, what the codec's torch ops compute (gradsync.compress:
+ * absmax.py, sparse.py), but reads and writes each full-size array once instead of once per op.
+ * Bit for bit, so a rank that runs the torch ops and a rank that runs these decode the same
+ * payloads into the same sums:
+ *   - built with -ffp-contract=off: a * b + c is never fused into one rounding;
+ *   - x / s is a division (correctly rounded, as torch's div), never a multiply by 1 / s;
+ *   - nearbyintf rounds half to even in the default rounding mode, as torch.round does.
+ *
+ * Plain C99, no Python or torch headers: gradsync.compress.native compiles it on first use and
+ * calls it through ctypes, which releases the GIL while a kernel runs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+/* One clone for AVX2 machines, one for any x86-64; the loader picks at run time. */
+#define GS_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define GS_CLONES
+#endif
+
+/* Blockwise absmax quantization (Int8, Int4): per block of `block` entries, scale = absmax /
+ * levels, code = round(x / scale) (x / 1 where absmax is 0). A block's absmax is NaN where the
+ * block holds a NaN (torch's amax propagates it); its codes are then meaningless, but the scale
+ * tells every rank that the payload is not finite. bits 8: one int8 per code; bits 4: code +
+ * levels in a nibble, even entries in the low nibble, and `block` even (the caller checks), so
+ * that no byte holds codes of two blocks. `packed` holds ceil(numel * bits / 8) bytes and
+ * `scales` ceil(numel / block) floats. */
+
+/* Entries quantized per inner round: codes go through a buffer on the stack, so that every loop
+ * is a plain elementwise one the compiler vectorizes. */
+#define GS_CHUNK 1024
+
+/* max |x| over the block, NaN where one is NaN. Computed on the bit patterns: with the sign bit
+ * cleared, floats order as their patterns do, and every NaN's pattern is above infinity's, so one
+ * integer max finds both (and vectorizes). */
+static inline __attribute__((always_inline)) float block_absmax(const float *restrict x, int64_t count)
+{
+    const uint32_t *restrict patterns = (const uint32_t *)x; /* built with -fno-strict-aliasing */
+    uint32_t largest = 0;
+    for (int64_t i = 0; i < count; ++i) {
+        const uint32_t size = patterns[i] & 0x7fffffffu;
+        largest = size > largest ? size : largest;
+    }
+    if (largest > 0x7f800000u)
+        return NAN;
+    float absmax;
+    memcpy(&absmax, &largest, sizeof absmax);
+    return absmax;
+}
+
+GS_CLONES
+void gs_absmax_encode(const float *restrict x, int64_t numel, int64_t block, int32_t bits,
+                      uint8_t *restrict packed, float *restrict scales)
+{
+    const float levels = bits == 8 ? 127.0f : 7.0f;
+    uint8_t codes[GS_CHUNK];
+    for (int64_t start = 0, b = 0; start < numel; start += block, ++b) {
+        const int64_t end = start + block < numel ? start + block : numel;
+        const float absmax = block_absmax(x + start, end - start);
+        const float scale = absmax / levels;
+        scales[b] = scale;
+        const float divisor = absmax > 0.0f ? scale : 1.0f;
+        for (int64_t at = start; at < end; at += GS_CHUNK) {
+            const int64_t count = end - at < GS_CHUNK ? end - at : GS_CHUNK;
+            const float *restrict in = x + at;
+            if (bits == 8) {
+                int8_t *restrict out = (int8_t *)packed + at;
+                for (int64_t i = 0; i < count; ++i)
+                    out[i] = (int8_t)nearbyintf(in[i] / divisor);
+                continue;
+            }
+            for (int64_t i = 0; i < count; ++i)
+                codes[i] = (uint8_t)(int32_t)(nearbyintf(in[i] / divisor) + levels);
+            /* Two codes a byte: byte j = code 2j | code 2j+1 << 4 (at is even: chunks and
+             * blocks start at even entries). */
+            uint8_t *restrict out = packed + (at >> 1);
+            const int64_t pairs = count >> 1;
+            for (int64_t j = 0; j < pairs; ++j)
+                out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+            if (count & 1)
+                out[pairs] = codes[count - 1];
+        }
+    }
+}
+
+/* out = decoded (mode 0), out += decoded (mode 1) or out -= decoded (mode 2), where decoded =
+ * (code - offset) * scale of its block: one rounding for the decode, one for the sum, as the
+ * torch ops do them. */
+GS_CLONES
+void gs_absmax_decode(float *restrict out, const uint8_t *restrict packed, const float *restrict scales,
+                      int64_t numel, int64_t block, int32_t bits, int32_t mode)
+{
+    float decoded[GS_CHUNK];
+    for (int64_t start = 0, b = 0; start < numel; start += block, ++b) {
+        const int64_t end = start + block < numel ? start + block : numel;
+        const float scale = scales[b];
+        for (int64_t at = start; at < end; at += GS_CHUNK) {
+            const int64_t count = end - at < GS_CHUNK ? end - at : GS_CHUNK;
+            float *restrict to = mode == 0 ? out + at : decoded; /* mode 0: decoded in place */
+            if (bits == 8) {
+                const int8_t *restrict in = (const int8_t *)packed + at;
+                for (int64_t i = 0; i < count; ++i)
+                    to[i] = (float)in[i] * scale;
+            } else {
+                const uint8_t *restrict in = packed + (at >> 1);
+                const int64_t pairs = count >> 1;
+                for (int64_t j = 0; j < pairs; ++j) {
+                    to[2 * j] = ((float)(in[j] & 15) - 7.0f) * scale;
+                    to[2 * j + 1] = ((float)(in[j] >> 4) - 7.0f) * scale;
+                }
+                if (count & 1)
+                    to[count - 1] = ((float)(in[pairs] & 15) - 7.0f) * scale;
+            }
+            float *restrict sum = out + at;
+            if (mode == 1)
+                for (int64_t i = 0; i < count; ++i)
+                    sum[i] = sum[i] + decoded[i];
+            else if (mode == 2)
+                for (int64_t i = 0; i < count; ++i)
+                    sum[i] = sum[i] - decoded[i];
+        }
+    }
+}
+
+/* The ascending positions i of 1-D `x` with |x[i]| >= threshold, written to `indices` (at most
+ * `capacity` of them); returns how many there are, which may exceed `capacity` (then only the
+ * first `capacity` were written). NaN never passes, as in torch's comparison.
+ *
+ * A chunk's flags are set by a plain vectorized compare, then read as 64-bit words of 8 flags:
+ * at top-k's density most words are zero and cost one test, and a word's set flags are found
+ * by counting trailing zeros, not one byte at a time. */
+GS_CLONES
+int64_t gs_at_least(const float *restrict x, int64_t numel, float threshold, int64_t *restrict indices,
+                    int64_t capacity)
+{
+    uint8_t flags[GS_CHUNK] __attribute__((aligned(8)));
+    int64_t count = 0;
+    for (int64_t at = 0; at < numel; at += GS_CHUNK) {
+        const int64_t size = numel - at < GS_CHUNK ? numel - at : GS_CHUNK;
+        for (int64_t i = 0; i < size; ++i)
+            flags[i] = fabsf(x[at + i]) >= threshold;
+        for (int64_t i = size; i % 8; ++i)
+            flags[i] = 0;
+        for (int64_t w = 0; w < (size + 7) / 8; ++w) {
+            uint64_t word;
+            memcpy(&word, flags + 8 * w, sizeof word);
+            while (word) {
+                if (count < capacity)
+                    indices[count] = at + 8 * w + (__builtin_ctzll(word) >> 3);
+                ++count;
+                word &= word - 1;
+            }
+        }
+    }
+    return count;
+}

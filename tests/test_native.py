@@ -1,0 +1,162 @@
+"""native.c's kernels against the torch ops they replace: the same bits, on every input shape.
+
+A rank with the kernels and a rank without them must decode the same sums, so each test runs a
+codec both ways (native.disabled() is the torch path) and compares bit patterns, not values.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gradsync.compress import build, native
+from gradsync.compress.sparse import above, exact_topk, sampled_topk
+
+pytestmark = pytest.mark.skipif(
+    not native.usable(torch.zeros(1)), reason="no C compiler here: the codecs run their torch ops"
+)
+
+SIZES = [1, 2, 7, 128, 129, 255, 256, 1000, 4097]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bit patterns, so that equal NaNs and -0.0 versus 0.0 compare as they are."""
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+def gradient(numel: int, seed: int) -> torch.Tensor:
+    """Normal entries with the cases rounding has to get right: zero blocks, exact halves of a
+    step (round half to even), -0.0, huge and tiny magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g)
+    if numel >= 256:
+        x[:128] = 0.0  # an all-zero block: divided by 1, not 0
+        x[128:136] = torch.tensor([7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -0.0, 3.5])  # scale 1: ties
+    if numel >= 1000:
+        x[300:428] *= 1e-38  # subnormal scales
+        x[500:628] *= 1e30
+    return x
+
+
+def both_ways(fn):
+    """fn() with the kernels and with the torch ops."""
+    fast = fn()
+    with native.disabled():
+        slow = fn()
+    return fast, slow
+
+
+@pytest.mark.parametrize("name,block", [("int8", 256), ("int8", 3), ("int4", 128), ("int4", 2), ("int4", 64)])
+@pytest.mark.parametrize("numel", SIZES)
+def test_absmax_encode_and_every_decode_give_the_torch_ops_bits(name, block, numel):
+    codec = build(name, block_size=block)
+    x = gradient(numel, seed=numel)
+    (fast, _), (slow, ctx) = both_ways(lambda: codec.compress(x))
+    for a, b in zip(fast, slow, strict=True):
+        assert a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+    payload = slow
+    decoded = both_ways(lambda: codec.decompress(payload, ctx))
+    assert torch.equal(bits(decoded[0]), bits(decoded[1]))
+    into = both_ways(lambda: codec.decompress_into(torch.full_like(x, 9.0), payload, ctx))
+    assert torch.equal(bits(into[0]), bits(into[1]))
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    for method in ("add_decoded_", "sub_decoded_"):
+
+        def apply(method=method):
+            out = base.clone()
+            getattr(codec, method)(out, payload, ctx)
+            return out
+
+        fast_out, slow_out = both_ways(apply)
+        assert torch.equal(bits(fast_out), bits(slow_out)), method
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_entry_makes_its_blocks_scale_non_finite_both_ways(name, bad):
+    # Codes of such a block are meaningless either way; the scale is what tells every rank.
+    codec = build(name)
+    x = gradient(1000, seed=3)
+    x[700] = bad
+    block = codec.block_size
+    (fast, _), (slow, _) = both_ways(lambda: codec.compress(x))
+    for payload in (fast, slow):
+        finite = torch.isfinite(payload[1])
+        assert not finite[700 // block] and int(finite.sum()) == finite.numel() - 1
+    keep = torch.isfinite(slow[1])
+    assert torch.equal(bits(fast[1][keep]), bits(slow[1][keep]))
+
+
+def test_an_odd_int4_block_runs_the_torch_ops():
+    # Two codes share a byte across a block boundary there: the kernel does not take it on.
+    codec = build("int4", block_size=5)
+    x = gradient(1001, seed=4)
+    (fast, _), (slow, _) = both_ways(lambda: codec.compress(x))
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+
+
+@pytest.mark.parametrize("numel", [*SIZES, 100_003])
+def test_above_finds_what_the_comparison_finds(numel):
+    x = gradient(numel, seed=numel)
+    x[numel // 2] = float("nan")  # never passes, as in torch
+    for threshold in (0.0, 0.5, 1.5, 2.5758, float(x.abs().nan_to_num().max()), 1e9):
+        expected = (x.abs() >= threshold).nonzero().squeeze(1)
+        for guess in (0, 3, numel):  # too few: the kernel's second try; enough; all
+            assert torch.equal(above(x, threshold, guess), expected)
+        with native.disabled():
+            assert torch.equal(above(x, threshold, 0), expected)
+
+
+def test_sampled_topk_and_threshold_choose_the_same_entries_both_ways():
+    x = gradient(200_000, seed=5)
+    k = 2_000
+
+    def sampled():
+        return sampled_topk(x, k, 0.01, torch.Generator().manual_seed(0))
+
+    fast, slow = both_ways(sampled)
+    assert torch.equal(fast, slow)
+    assert torch.equal(x.abs()[fast].sort().values, x.abs()[exact_topk(x, k)].sort().values)
+    codec = build("threshold", threshold=1.0)
+    (fast_payload, _), (slow_payload, _) = both_ways(lambda: codec.compress(x))
+    assert all(torch.equal(a, b) for a, b in zip(fast_payload, slow_payload, strict=True))
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
+
+
+def test_the_kernels_are_built_into_the_cache_once_and_found_there(tmp_path):
+    code = "import torch; from gradsync.compress import native; print(native.usable(torch.zeros(1)))"
+    first = _python(code, GRADSYNC_CACHE=str(tmp_path))
+    assert first.stdout.strip() == "True", first.stderr
+    built = list(tmp_path.glob("native-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    again = _python(code, GRADSYNC_CACHE=str(tmp_path), CC="/nonexistent/cc")  # no compiler needed now
+    assert again.stdout.strip() == "True", again.stderr
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_without_a_compiler_the_codecs_run_their_torch_ops_with_one_warning(tmp_path):
+    code = (
+        "import logging, torch; logging.basicConfig(); from gradsync.compress import build, native\n"
+        "c = build('int4'); x = torch.randn(1000); p, ctx = c.compress(x); c.decompress(p, ctx)\n"
+        "print(native.usable(x))"
+    )
+    done = _python(code, GRADSYNC_CACHE=str(tmp_path), CC="/nonexistent/cc")
+    assert done.returncode == 0 and done.stdout.strip() == "False"
+    assert done.stderr.count("CPU kernels unavailable") == 1 and "/nonexistent/cc" in done.stderr
+    assert not list(tmp_path.glob("native-*.so"))
+
+
+def test_gradsync_native_0_turns_the_kernels_off(tmp_path):
+    code = "import torch; from gradsync.compress import native; print(native.usable(torch.zeros(1)))"
+    done = _python(code, GRADSYNC_CACHE=str(tmp_path), GRADSYNC_NATIVE="0")
+    assert done.stdout.strip() == "False" and not list(tmp_path.glob("*.so"))
