@@ -468,8 +468,12 @@ def _two_shot(
         payload, residual = payloads[0], None
     else:
         payload, ctx = codec.compress(summed)  # zeros where a rank was not finite: streams in step
-        # The memory's next value; kept only once every owner's payload is known to be finite.
-        residual = summed - codec.decompress(payload, ctx) if shard_error is not None else None
+        # The memory's next value, summed - decoded in place (no fresh tensors); kept only once
+        # every owner's payload is known to be finite.
+        residual = None
+        if shard_error is not None:
+            codec.sub_decoded_(summed, payload, ctx)
+            residual = summed
     nbytes = [sum(layout_nbytes(layout)) for layout in layouts]
     frame = framed([t.reshape(-1).view(torch.uint8) for t in payload], ok)
     frame = torch.cat([frame, frame.new_zeros(max(nbytes) + 1 - frame.numel())])  # equal frames

@@ -329,7 +329,8 @@ class SyncState:
         guard = not (
             type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
         )
-        finite = not guard or is_finite(x)
+        # Where the payload shows a non-finite input by itself, the exchange's check finds it.
+        finite = not guard or type(point.codec).reveals_nonfinite or is_finite(x)
         # p: what is compressed, from this rank's share x / n (the division first: low-precision
         # sums cannot overflow); error memory added. A non-finite gradient never enters a memory.
         p = point.feedback.prepare(x, comm.world_size) if finite else x

@@ -31,6 +31,7 @@ class Int8(Compressor):
     """
 
     bits: ClassVar[int] = 8
+    reveals_nonfinite = True  # a block's scale is NaN or inf where the block holds one
 
     def __init__(self, block_size: int = 256) -> None:
         self.block_size = check_int("block_size", block_size, 1, 2**31 - 1, why="entries per scale")

@@ -37,6 +37,10 @@ class Compressor:
                  rows of width 1 by any of its schemes (top-k, DGC, threshold).
       preserves_nonfinite  a NaN or inf in the input is one in the payload too, in its place, and
                  the codec keeps no state: a non-finite step needs no check of its own (casts).
+      reveals_nonfinite  a NaN or inf in the input makes the payload non-finite (a cast's entry,
+                 absmax's block scale), and the codec keeps no state: the exchange, which checks
+                 every payload or sum it decodes, finds such a step, so the hook does not read
+                 the input a second time to look for one.
       majority_vote  the payload is one sign bit per element, and ranks combine by majority
                  vote, sign(sum of signs), instead of a sum (signSGD, Signum). The result is a
                  unit step per element, not an estimate of the gradient, so error feedback
@@ -56,6 +60,7 @@ class Compressor:
     majority_vote: ClassVar[bool] = False
     sparse_rows: ClassVar[bool] = False
     preserves_nonfinite: ClassVar[bool] = False
+    reveals_nonfinite: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")

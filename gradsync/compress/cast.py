@@ -18,6 +18,7 @@ class Cast(Compressor):
 
     summable = True
     preserves_nonfinite = True
+    reveals_nonfinite = True
     wire_dtype: ClassVar[torch.dtype]
 
     def __init__(self) -> None:

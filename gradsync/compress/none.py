@@ -15,6 +15,7 @@ class NoCompression(Compressor):
 
     summable = True
     preserves_nonfinite = True
+    reveals_nonfinite = True
     unbiased = True
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
