@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import planner, schedule
+from . import levels, planner, schedule
 from .config import NO_COMPRESSION, SyncConfig
 from .plan import GroupPlan, Plan
 from .sim import cluster as clusters
@@ -62,6 +62,7 @@ def make_all(
     max_groups: int = 64,
     budget: int = 200,
     buckets: Sequence[Sequence[int]] | None = None,
+    errors: levels.Errors | None = None,
 ) -> list[Plan]:
     """Every plan the event simulator weighed, least predicted step first (ties: as found).
 
@@ -74,7 +75,10 @@ def make_all(
     gradient (backprop order) to its position in model.parameters() (default: the same index);
     `model` is the model's signature(). `buckets` are DDP's real buckets as gradient indices, where
     known (default: sim/groups.ddp's model of them): uniform strategies are laid out on them, and
-    every other group pays for the hook's copies out of them and back.
+    every other group pays for the hook's copies out of them and back. `errors`: the measured
+    compression errors of every level of `compressor` (gradsync.levels); with them, each group
+    may take any level, and every plan keeps the total error within errors.budget, the error of
+    `compressor` everywhere.
     """
     started = time.perf_counter()
     if buckets is None:
@@ -88,8 +92,8 @@ def make_all(
         copied = [(g[0], g[-1]) not in whole for g in groups]
         return engine.simulate(compute, cluster, chosen, groups, copied=copied).step_s
 
-    strategies = planner.space(cluster, compressor, dict(compressor_args or {}))
-    found = schedule.search(compute, cluster, strategies, max_groups, budget, buckets)
+    strategies = planner.space(cluster, compressor, dict(compressor_args or {}), levels=errors is not None)
+    found = schedule.search(compute, cluster, strategies, max_groups, budget, buckets, errors)
     searched_s = time.perf_counter() - started
 
     options: list[tuple[float, str, list[list[int]], list[Strategy], list[str]]] = []
@@ -100,9 +104,12 @@ def make_all(
         options.append((simulate(chosen, groups), label, groups, chosen, list(candidate.decision.reasons)))
     alternatives: dict[str, float] = {"per-group plan": min(option[0] for option in options)}
     has_rows = any(g.density for g in compute.gradients)
+    everything = range(len(compute.gradients))
     for strategy in strategies:
         if strategy.scheme is not None and not strategy.compressed and not has_rows:
             continue  # no embedding rows to send sparsely
+        if errors is not None and not errors.fits(strategy.spec, everything):
+            continue  # a uniform level lossier than the budget allows
         step = simulate(strategy, buckets)
         label = f"{strategy.text}, DDP buckets"
         alternatives[label] = step
@@ -144,18 +151,21 @@ def make_all(
             )
             for group, strategy, reason in zip(groups, chosen, reasons, strict=True)
         )
-        plans.append(
-            Plan(model, cluster.world_size, plan_groups, step, None, alternatives, {**meta, "chosen": label})
-        )
+        about = {**meta, "chosen": label}
+        if errors is not None:  # the plan's measured compression error against its budget
+            lossy = [(s.spec, g) for s, g in zip(chosen, groups, strict=True) if levels.is_lossy(s.spec)]
+            about["error"] = sum(errors.of(spec, group) for spec, group in lossy)
+            about["error_budget"] = errors.budget
+        plans.append(Plan(model, cluster.world_size, plan_groups, step, None, alternatives, about))
     return plans
 
 
 def codec_specs(config: SyncConfig) -> list[str]:
-    """The codecs the strategy space may use: the casts and the config's compressor."""
+    """The codecs the strategy space may use: the casts and every level of the config's compressor
+    (gradsync.levels), the config's own among them."""
     specs = ["fp16", "bf16"]
     if config.compressor not in (NO_COMPRESSION, *specs):
-        args = [f"{k}={v}" for k, v in sorted(config.compressor_args.items())]  # as Strategy.spec
-        specs.append(":".join([config.compressor, *args]))
+        specs += levels.specs(config.compressor, config.compressor_args)
     return specs
 
 
@@ -166,6 +176,9 @@ class Measured:
     compute: Compute
     cluster: clusters.Cluster
     params: tuple[int, ...]  # position in model.parameters() of each gradient, backprop order
+    # Each level's compression error on each gradient (backprop order) and the budget, where
+    # measured: the planner then keeps every plan's error within it.
+    errors: levels.Errors | None = None
 
 
 def candidates(
@@ -188,6 +201,7 @@ def candidates(
         model=model_signature,
         params=measured.params,
         buckets=_as_gradients(buckets, measured.params),
+        errors=measured.errors,
     )
 
     def compresses(plan: Plan) -> bool:

@@ -37,10 +37,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import compress
+from . import levels as codec_levels
 from .sim import quick
 from .sim.cluster import CPU_HOST, Cluster
 from .sim.compute import Compute
-from .strategy import NONE, Strategy, parse, shards, sums
+from .strategy import NONE, Strategy, default_collective, parse, shards, sums
 
 # Count vectors tried exactly by the offload step; larger instances go class by class.
 OFFLOAD_EXACT_LIMIT = 1024
@@ -50,7 +51,10 @@ _CASTS = ("fp16", "bf16")
 
 
 def space(
-    cluster: Cluster, compressor: str | None = None, compressor_args: dict | None = None
+    cluster: Cluster,
+    compressor: str | None = None,
+    compressor_args: dict | None = None,
+    levels: bool = False,
 ) -> list[Strategy]:
     """The strategies a group may take on `cluster`, none (fp32) first.
 
@@ -58,8 +62,10 @@ def space(
     payload allows: allreduce where ranks sum its payloads, two-shot where a shard's sum can be
     encoded again, allgather where each payload can be decoded alone, the sparse schemes
     (scheme=auto) where its payload is sparse rows, and two-level where nodes have several workers;
-    and each of those offloaded to CPU threads where the workers compute on GPUs. On a measured
-    cluster, only codecs whose cost the profile measured.
+    and each of those offloaded to CPU threads where the workers compute on GPUs. With `levels`,
+    all of that for every level of the codec (gradsync.levels: top-k's ratios, PowerSGD's ranks,
+    int8 beside int4), for a planner that is given the measured errors to keep within a budget.
+    On a measured cluster, only codecs whose cost the profile measured.
 
     Example:
         >>> from gradsync.sim import cluster
@@ -70,17 +76,15 @@ def space(
     two_level = cluster.nodes > 1 and cluster.gpus_per_node > 1
     if compressor and compressor not in (*_CASTS, NONE):
         args = tuple(sorted((compressor_args or {}).items()))
-        codec = type(compress.build(compressor, **dict(args)))
-        ways = [Strategy(compressor, args, "allreduce")] if sums(codec) else []
-        if shards(codec) and not codec.summable:  # summable payloads are simply allreduced
-            ways.append(Strategy(compressor, args, "two-shot"))
-        if codec.rounds == 1 and not codec.majority_vote:
-            ways.append(Strategy(compressor, args, "allgather"))
-        if codec.sparse_rows:
-            ways.append(Strategy(compressor, args, "allgather", scheme="auto"))
-        if two_level:
-            ways.append(Strategy(compressor, args, "two-level"))
-        found += ways
+        own = Strategy(compressor, args, default_collective(compressor))
+        each = [own]
+        if levels:
+            each = [
+                own if spec == own.spec else parse(spec)
+                for spec in codec_levels.specs(compressor, compressor_args)
+            ]
+        for level in each:  # the levels of the codec (error-aware planning), or the user's alone
+            found += _ways(level, two_level)
     if two_level:
         found += [replace(s, collective="two-level") for s in found[: 1 + len(_CASTS)]]
     if cluster.device.name != CPU_HOST.name:  # GPUs: a CPU thread is somewhere else to compress
@@ -88,6 +92,22 @@ def space(
     if cluster.compression is not None:  # measured: only what was measured
         found = [s for s in found if not s.compressed or s.spec in cluster.compression]
     return found
+
+
+def _ways(level: Strategy, two_level: bool) -> list[Strategy]:
+    """Every exchange `level`'s codec (with its arguments) allows."""
+    name, args = level.codec, level.args
+    codec = type(compress.build(name, **dict(args)))
+    ways = [Strategy(name, args, "allreduce")] if sums(codec) else []
+    if shards(codec) and not codec.summable:  # summable payloads are simply allreduced
+        ways.append(Strategy(name, args, "two-shot"))
+    if codec.rounds == 1 and not codec.majority_vote:
+        ways.append(Strategy(name, args, "allgather"))
+    if codec.sparse_rows:
+        ways.append(Strategy(name, args, "allgather", scheme="auto"))
+    if two_level:
+        ways.append(Strategy(name, args, "two-level"))
+    return ways
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,7 @@ class Problem:
         strategies: Sequence[Strategy],
         cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
         buckets: Sequence[Sequence[int]] | None = None,
+        errors: codec_levels.Errors | None = None,
     ) -> None:
         """`cache`, shared between problems of the same compute, cluster, strategies and buckets,
         keeps each group's costs by its (first, last) gradient: a grouping search re-costs only new
@@ -136,6 +157,9 @@ class Problem:
             rows.append(cache[key])
         self.costs = np.array([costs for costs, _ in rows])  # (groups, space, 5)
         self.valid = np.array([valid for _, valid in rows])  # (groups, space)
+        if errors is not None:  # each group's lossy codec at one level, within the error budget
+            specs = [strategy.spec for strategy in self.space]
+            self.valid = codec_levels.allowed(specs, self.groups, self.costs.sum(-1), self.valid, errors)
         self.columns = np.ascontiguousarray(np.moveaxis(self.costs, -1, 0))  # (5, groups, space)
         self._rows = np.arange(len(self.groups))
         self.evaluations = 0

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import planner
+from . import levels, planner
 from .sim import groups as grouping
 from .sim.cluster import Cluster
 from .sim.compute import Compute
@@ -61,10 +61,13 @@ def search(
     max_groups: int = 64,
     budget: int = 200,
     buckets: Sequence[Sequence[int]] | None = None,
+    errors: levels.Errors | None = None,
 ) -> Schedule:
     """Search groupings of `compute`'s gradients, each with the planner's strategies (module
     docstring); at most `budget` groupings are decided. `buckets` are DDP's buckets (default:
     sim/groups.ddp's model of them): a group that is not one of them pays for its copies.
+    `errors`: measured compression errors; each grouping's lossy levels are then kept within
+    their budget (gradsync.levels).
 
     Example:
         >>> found = search(work, where, planner.space(where, "topk", {"ratio": 0.01}))
@@ -81,7 +84,8 @@ def search(
     def consider(label: str, groups: list[list[int]]) -> Candidate:
         key = tuple(tuple(g) for g in groups)
         if key not in tried:
-            decision = planner.decide(planner.Problem(compute, cluster, groups, strategies, cache, buckets))
+            problem = planner.Problem(compute, cluster, groups, strategies, cache, buckets, errors)
+            decision = planner.decide(problem)
             tried[key] = Candidate(label, key, decision)
         return tried[key]
 

@@ -32,6 +32,7 @@ it from its first compressed step. Timings decide, so two fresh runs may adopt d
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from . import profile
+from . import levels, profile
 from .autoplan import CANDIDATES, Measured, candidates, codec_specs
 from .comm import Comm, allgather_object
 from .config import SyncConfig
@@ -136,10 +137,17 @@ class StepTimer:
 
 
 def measure(
-    timer: StepTimer, comm: Comm, config: SyncConfig, names: Sequence[str], steps: Sequence[int]
+    timer: StepTimer,
+    comm: Comm,
+    config: SyncConfig,
+    names: Sequence[str],
+    steps: Sequence[int],
+    errors: Mapping[int, Mapping[str, float]] | None = None,
 ) -> Measured:
     """The compute timeline of `steps` and this cluster's collective and codec costs; every number
-    the slowest rank's. Every rank must call it at the same point."""
+    the slowest rank's. Every rank must call it at the same point. `errors`: per parameter
+    position, each level's compression error on its gradient (error_levels), where this rank
+    measured them."""
     device = timer.device
     forward_s, backward_s, optimizer_s, ready = timer.timeline(steps)
     values = [forward_s, backward_s, optimizer_s] + [ready.get(i, -1.0) for i in range(len(timer.params))]
@@ -169,7 +177,33 @@ def measure(
     where = clusters.measured(
         comm.world_size, fits, compression, hook, name=f"{comm.world_size} measured ranks"
     )
-    return Measured(compute, dataclasses.replace(where, device=host), tuple(order))
+    return Measured(
+        compute, dataclasses.replace(where, device=host), tuple(order), budget(config, errors, order)
+    )
+
+
+def lossy_specs(config: SyncConfig) -> list[str]:
+    """The levels of the config's compressor whose errors the planner weighs (gradsync.levels)."""
+    return [spec for spec in codec_specs(config) if levels.is_lossy(spec)]
+
+
+def error_levels(gradients: Mapping[int, torch.Tensor], config: SyncConfig) -> dict[int, dict[str, float]]:
+    """Per parameter position, each level's squared compression error on its gradient."""
+    specs = lossy_specs(config)
+    found = profile.compression_errors(list(gradients.values()), specs, config.seed)
+    return {param: {spec: found[spec][k] for spec in specs} for k, param in enumerate(gradients)}
+
+
+def budget(
+    config: SyncConfig, errors: Mapping[int, Mapping[str, float]] | None, order: Sequence[int]
+) -> levels.Errors | None:
+    """The errors in the planner's gradient order, with the budget: the error of the config's own
+    compressor on every gradient. None where nothing lossy is planned or nothing was measured."""
+    specs = lossy_specs(config)
+    if not errors or not specs:
+        return None
+    by_spec = {spec: tuple(errors.get(param, {}).get(spec, 0.0) for param in order) for spec in specs}
+    return levels.Errors(by_spec, math.fsum(by_spec[levels.spec(config.compressor, config.compressor_args)]))
 
 
 def copy_bandwidth(device: torch.device, numel: int = 1 << 24) -> float:
@@ -205,6 +239,9 @@ class AutoState(SyncState):
         self.adopted_at: int | None = None  # the step the adopted plan first ran
         self._started = -1  # the newest step whose start was handled
         self._forward: dict[int, int] = {}  # step -> the timer's index of its forward pass
+        # Rank 0's measured compression errors, per parameter position and level (the planner's
+        # budget); taken in the step after DDP's first, whose timing is not counted anyway.
+        self._errors: dict[int, dict[str, float]] = {}
 
     @property
     def done(self) -> bool:
@@ -303,10 +340,17 @@ class AutoState(SyncState):
             return self._uncompressed
         return super()._strategy(group, numel, step, compress)
 
+    def note_errors(self, bucket: dist.GradBucket) -> None:
+        """Each level's compression error on each gradient of `bucket`, before it is exchanged."""
+        if bucket.buffer().is_sparse or not lossy_specs(self.config):
+            return
+        params = [self._param_index[id(p)] for p in bucket.parameters()]
+        self._errors.update(error_levels(dict(zip(params, bucket.gradients(), strict=True)), self.config))
+
     def _make_candidates(self, steps: Sequence[int]) -> None:
         comm = self._comm()
         indices = [self._forward[k] for k in steps if k in self._forward]
-        found = measure(self.timer, comm, self.config, self.names, indices)
+        found = measure(self.timer, comm, self.config, self.names, indices, self._errors)
         buckets = [self._ddp_layout[i] for i in sorted(self._ddp_layout)]
         mine = candidates(found, self.config, self.model_signature, buckets) if comm.rank == 0 else []
         # Every rank plans from the same numbers; rank 0's list is taken so that no rounding
@@ -339,6 +383,8 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     """DDP communication hook under plan="auto": the start of each step plans, probes or adopts;
     the bucket itself goes through gradsync's hook."""
     state.start_step(state.step)
+    if state.probe_from is None and state.step == state.measure_from + 1 and state.rank == 0:
+        state.note_errors(bucket)
     future = hook(state, bucket)
     if bucket.is_last() and state.probe_from is None:  # measuring: when the step's exchange ended
         index = state._forward.get(state.step - 1)

@@ -109,7 +109,13 @@ def test_candidates_weigh_compressing_against_not_without_repeats() -> None:
 def test_codec_specs_name_codecs_as_strategies_do_and_warmup_covers_the_probes() -> None:
     config = SyncConfig(compressor="topk", compressor_args={"ratio": 0.01, "mode": "sampled"}, plan="auto")
     specs = autoplan.codec_specs(config)
-    assert specs == ["fp16", "bf16", parse("topk:ratio=0.01:mode=sampled").spec]
+    # The casts, then every level of top-k, finest first, the config's own among them, each named
+    # as its strategy names it, with the config's other arguments kept.
+    assert specs[:2] == ["fp16", "bf16"] and parse("topk:ratio=0.01:mode=sampled").spec in specs
+    assert [parse(spec).spec for spec in specs] == specs
+    ratios = [dict(parse(spec).args)["ratio"] for spec in specs[2:]]
+    assert ratios == sorted(ratios, reverse=True) and len(ratios) > 1
+    assert all(dict(parse(spec).args)["mode"] == "sampled" for spec in specs[2:])
     assert autoplan.codec_specs(SyncConfig(compressor="none", plan="auto")) == ["fp16", "bf16"]
     probing = autoplan.CANDIDATES * tuner.STEPS_EACH
     # Probing starts after the measured steps, or after the config's warm-up if that is longer.

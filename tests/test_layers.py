@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("plans", ("plan",)),
-    ("planning", ("sim.", "planner", "schedule", "autoplan")),
+    ("planning", ("sim.", "levels", "planner", "schedule", "autoplan")),
     ("measure", ("profile", "profile.")),
     ("entry", ("tuner", "api", "", "lightning")),  # "": the package itself, gradsync/__init__.py
     ("tools", ("cli", "cli.", "__main__", "bench.", "testbed", "testbed.", "workloads.", "demo")),

@@ -34,7 +34,13 @@ _SOURCE = Path(__file__).with_name("native.c")
 # -fno-math-errno lets fabsf and nearbyintf vectorize and -fno-strict-aliasing lets a kernel read
 # floats as their bit patterns; neither changes a result.
 _FLAGS = (
-    "-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing"
+    "-O3",
+    "-std=c99",
+    "-shared",
+    "-fPIC",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-strict-aliasing",
 )
 
 _lock = threading.Lock()

@@ -103,6 +103,36 @@ def fit_compression(
     return fits
 
 
+def compression_errors(
+    gradients: Sequence[torch.Tensor], specs: Sequence[str], seed: int = 0
+) -> dict[str, tuple[float, ...]]:
+    """Per codec spec, the squared error ||g - C(g)||^2 of compressing each of `gradients` alone
+    once (a fresh codec each, seeded with `seed`; random codecs draw one sample): what
+    gradsync.levels weighs against a budget.
+
+    Example:
+        >>> compression_errors([torch.randn(1000)], ["int8", "int4"])["int4"][0] > 0
+        True
+    """
+    errors = {}
+    for spec in specs:
+        build_codec(spec)  # a bad spec fails before anything is compressed
+        name, args = parse_spec(spec)
+        if "seed" in compress.parameters(name):
+            args = {**args, "seed": seed}
+        found = []
+        for gradient in gradients:
+            if gradient.numel() == 0:
+                found.append(0.0)
+                continue
+            codec = compress.build(name, **args)
+            flat = gradient.detach().reshape(-1).float()
+            decoded = codec.decompress(*codec.compress(flat)).reshape(-1)
+            found.append(float(torch.sub(flat, decoded).square_().sum(dtype=torch.float64)))
+        errors[spec] = tuple(found)
+    return errors
+
+
 def measure_hook(
     config: SyncConfig,
     sizes: Sequence[int] = DEFAULT_CODEC_SIZES,

@@ -104,6 +104,9 @@ def test_auto_measures_probes_and_executes_the_fastest_measured_candidate(auto_r
     }
     assert set(measured) == set(labels)
     assert adopted.measured_step_s == min(measured.values()) == measured[adopted.meta["chosen"]]
+    # Rank 0 measured each top-k level's error on the model's own gradients; the plan keeps within
+    # the error of top-k at the config's ratio everywhere (gradsync.levels).
+    assert adopted.meta["error_budget"] > 0 and adopted.meta["error"] <= adopted.meta["error_budget"]
     # The hook executes exactly the adopted plan, group by group.
     groups = first["stats"]["groups"]
     assert [g["strategy"] for g in groups] == [g.parsed.text for g in adopted.groups]
