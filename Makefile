@@ -27,10 +27,11 @@ tables: $(STAMP)
 
 # Time to DDP's held-out loss: mlp-wide (20.8M parameters) on 4 testbed hosts at 1 Gbit/s, DDP and
 # torch's fp16 and PowerSGD (rank 4) hooks against gradsync's default (int4), int8, top-k 1% with
-# momentum correction and plan="auto". (torch's bf16 hook refuses gloo: no CPU baseline.)
+# momentum correction, plan="auto" and plan="auto" over top-k's levels within top-k 1%'s error.
+# (torch's bf16 hook refuses gloo: no CPU baseline.)
 bench-train: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload mlp-wide --world 4 --testbed \
-		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,topk:ef=momentum,auto \
+		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,topk:ef=momentum,auto,auto:compressor=topk:ef=momentum \
 		--steps 400 --eval-every 25 --out docs/bench-train-mlp-wide
 
 # The same for gpt-tiny (19.1M parameters, AdamW).

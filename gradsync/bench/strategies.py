@@ -24,8 +24,9 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
   torchft`) on the plain model, fp32 outer gradients, a baseline for gradsync's
   (bench/torchft_diloco.py). Evaluated on its global parameters.
 - `auto[:compressor=NAME:key=value...]`: gradsync with SyncConfig(plan="auto"): it measures the
-  first steps, plans per group among fp32, fp16, bf16 and NAME (default SyncConfig's) with its
-  arguments, confirms the best candidates on real steps and adopts the fastest measured.
+  first steps, plans per group among fp32, fp16, bf16 and the levels of NAME (default
+  SyncConfig's) within the error of NAME with its arguments everywhere (gradsync.levels),
+  confirms the best candidates on real steps and adopts the fastest measured.
 
 Example:
     >>> parse("topk:ratio=0.001").config.compressor_args["ratio"]
