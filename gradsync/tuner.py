@@ -7,7 +7,9 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
   steps r .. r+MEASURED  uncompressed on DDP's buckets, as any warm-up step; hooks note when each
                       step's forward pass starts and ends and when each gradient is ready
                       (`StepTimer`); steps r+2 .. are counted (r: DDP's first iteration, r+1: its
-                      first on rebuilt buckets, slower by one-off allocations).
+                      first on rebuilt buckets, slower by one-off allocations). In step r+1 rank 0
+                      also compresses each gradient at every level of the compressor and notes
+                      its error: the budget the planner keeps to (gradsync.levels).
   start of step r+MEASURED+1  every rank measures the collectives and each codec of the strategy
                       space; with the compute timeline, the slowest rank's numbers make a measured
                       cluster, from which gradsync.autoplan ranks the candidate plans (rank 0's
