@@ -187,11 +187,12 @@ def candidates(
     model_signature: str,
     buckets: Sequence[Sequence[int]] | None = None,
 ) -> list[Plan]:
-    """The plans to confirm on real steps, at most CANDIDATES of them: the best predicted plan, the
-    best that compresses and the best that does not (whichever of those the first is not), the best
-    uniform strategy on DDP's buckets, and the next best predicted. So the measurement decides
-    between compressing and not, even where the prediction errs. `buckets`: DDP's buckets, as
-    parameter positions, where seen."""
+    """The plans to confirm on real steps, at most CANDIDATES of them: the best predicted plan, what
+    the config runs without a plan (its compressor by its own exchange on DDP's buckets), the best
+    that compresses and the best that does not (whichever of those the first ones are not), the
+    best uniform strategy on DDP's buckets, and the next best predicted. So the measurement decides
+    between compressing and not, and against the fixed configuration, even where the prediction
+    errs. `buckets`: DDP's buckets, as parameter positions, where seen."""
     compressor = None if config.compressor == NO_COMPRESSION else config.compressor
     ranked = make_all(
         measured.compute,
@@ -207,8 +208,11 @@ def candidates(
     def compresses(plan: Plan) -> bool:
         return any(s.compressed for s in plan.strategies)
 
+    # What the config runs without a plan: the compressor by its own exchange on DDP's buckets.
+    fixed = f"{parse(levels.spec(config.compressor, config.compressor_args)).text}, DDP buckets"
     picks = [
         ranked[0],
+        next((p for p in ranked if p.meta.get("chosen") == fixed), None),
         next((p for p in ranked if compresses(p)), None),
         next((p for p in ranked if not compresses(p)), None),  # fp32 on DDP's buckets at worst
         next((p for p in ranked if str(p.meta.get("chosen", "")).endswith("DDP buckets")), None),

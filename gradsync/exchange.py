@@ -122,6 +122,7 @@ def start(
     keep_local: bool = True,
     guard: bool = True,
     shard_error: torch.Tensor | None = None,
+    divisor: int = 1,
 ) -> Future[Exchanged]:
     """Compress `x`, exchange the payload as `collective` (or, for a sparsifier, by sparse `scheme`)
     and return a future of the decoded sum. By default the collective is the codec's own (as in
@@ -136,6 +137,8 @@ def start(
     preserves_nonfinite), so no rank checks the result: it is decoded as it is, `finite` True.
     `shard_error` (two-shot only): the error memory of this rank's second encoding, shaped like
     its shard (shard_bounds), updated in place when the step is finite; None: no memory.
+    `divisor`: `x` is not yet divided by it (the world size) and nothing was added to it: the codec
+    divides as it compresses (Compressor.compress_mean), and `x` may be left divided.
     """
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
@@ -155,6 +158,9 @@ def start(
             "without a vote can have a shard's sum encoded again by its owner; leave the collective "
             "to the codec"
         )
+    fused = collective == "allreduce" and kind.rounds == 1 and not kind.majority_vote and scheme is None
+    if divisor != 1 and not fused:  # only a plain allreduce's one compress divides as it goes
+        x, divisor = x.div_(divisor), 1
     source = x if finite else torch.zeros_like(x)
     if collective == "two-shot":
         program = lambda: _two_shot(codec, source, route.comm, finite, out, shard_error)  # noqa: E731
@@ -171,7 +177,9 @@ def start(
     if collective == "allreduce":
         if not kind.summable:
             raise ValueError(f"collective='allreduce' for {kind.__name__}, whose payloads are not summable")
-        program = lambda: _allreduce(codec, source, route.comm, finite, keep_local, out, guard)  # noqa: E731
+        program = lambda: _allreduce(  # noqa: E731
+            codec, source, route.comm, finite, keep_local, out, guard, divisor
+        )
         return route.lane.run(program, blocking=False, device=x.device)
     if collective != "allgather":
         raise ValueError(
@@ -238,9 +246,10 @@ def _allreduce(
     keep_local: bool,
     out: torch.Tensor | None,
     guard: bool = True,
+    divisor: int = 1,
 ) -> Future[Exchanged]:
     clock = _Clock()
-    payload, ctx = codec.compress(x)
+    payload, ctx = codec.compress_mean(x, divisor)
     clock.lap("compress")
     if len(payload) == 1 and payload[0].is_floating_point() and not keep_local:
         frame = payload[0].view(-1)  # summed in place: nothing reads this rank's own payload after

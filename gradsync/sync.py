@@ -333,7 +333,10 @@ class SyncState:
         finite = not guard or type(point.codec).reveals_nonfinite or is_finite(x)
         # p: what is compressed, from this rank's share x / n (the division first: low-precision
         # sums cannot overflow); error memory added. A non-finite gradient never enters a memory.
-        p = point.feedback.prepare(x, comm.world_size) if finite else x
+        # Where nothing is added, the codec takes x itself and divides as it compresses (a cast
+        # in one pass, not two).
+        divisor = comm.world_size if type(point.feedback) is feedback.NoFeedback and not self._carry else 1
+        p = point.feedback.prepare(x, comm.world_size) if finite and divisor == 1 else x
         self._add_carried(p, params)
         # The sum is decoded into `x`, as PyTorch's own hooks return the bucket they were given (a
         # fresh full-size tensor costs as much in page faults as a copy), wherever nothing reads `x`
@@ -353,6 +356,7 @@ class SyncState:
             keep_local=uses_local,
             guard=guard,
             shard_error=point.shard_memory(x, comm.rank, comm.world_size) if second else None,
+            divisor=divisor,
         )
 
         def finish(result: exchange.Exchanged) -> torch.Tensor:

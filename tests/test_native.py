@@ -126,6 +126,27 @@ def test_sampled_topk_and_threshold_choose_the_same_entries_both_ways():
     assert all(torch.equal(a, b) for a, b in zip(fast_payload, slow_payload, strict=True))
 
 
+def half_edge_cases() -> torch.Tensor:
+    """Values around every rounding edge of a float -> half or bfloat16 cast, once divided by 3
+    or 4: ties, the largest finite halves, the overflow to infinity, subnormals, zeros, NaN."""
+    g = torch.Generator().manual_seed(8)
+    edges = torch.tensor([65504.0, 65519.0, 65520.0, 65536.0, 1e6, 6.1e-5, 6.0e-8, 3.0e-8, 1e-40, 0.0, -0.0])
+    edges = torch.cat([edges, -edges, torch.tensor([float("inf"), -float("inf"), float("nan")])])
+    scaled = edges.repeat_interleave(8) * torch.linspace(0.999, 1.001, 8).repeat(edges.numel())
+    ties = (torch.arange(1, 2049, dtype=torch.float32) + 0.5) * 2.0**-24  # half-way between halves
+    return torch.cat([scaled * 3, scaled * 4, ties * 3, ties * 4, torch.randn(100_003, generator=g) * 1e3])
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_a_cast_of_the_mean_gives_the_torch_ops_bits(name, world_size):
+    x = half_edge_cases()
+    (fast, _), (slow, _) = both_ways(lambda: build(name).compress_mean(x.clone(), world_size))
+    nan = torch.isnan(slow[0].float())
+    assert torch.equal(nan, torch.isnan(fast[0].float()))
+    assert torch.equal(bits(fast[0])[~nan], bits(slow[0])[~nan])
+
+
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120

@@ -65,6 +65,12 @@ class Compressor:
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")
 
+    def compress_mean(self, x: torch.Tensor, world_size: int) -> tuple[Payload, Any]:
+        """compress(x / world_size): this rank's share of the average, where nothing else is added
+        to it. `x` may be left divided; its values are the caller's to overwrite. Casts fuse the
+        division into their one pass."""
+        return self.compress(x.div_(world_size) if world_size != 1 else x)
+
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement decompress")
 

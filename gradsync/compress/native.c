@@ -158,3 +158,48 @@ int64_t gs_at_least(const float *restrict x, int64_t numel, float threshold, int
     }
     return count;
 }
+
+/* x / divisor rounded to IEEE half precision (to nearest, ties to even), as torch's float -> half
+ * conversion rounds it: the bit pattern. NaN becomes the quiet NaN 0x7e00 with x's sign. */
+static inline __attribute__((always_inline)) uint16_t to_half(float value)
+{
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    const uint32_t size = bits & 0x7fffffffu;
+    if (size > 0x7f800000u) /* NaN */
+        return sign | 0x7e00u;
+    if (size >= 0x477ff000u) /* 65520 and up round to infinity (65520: a tie, to the even inf) */
+        return sign | 0x7c00u;
+    if (size >= 0x38800000u) { /* a normal half, from 2^-14 up: drop 13 mantissa bits, to even */
+        const uint32_t rounded = size + 0xfffu + ((size >> 13) & 1u);
+        return sign | (uint16_t)((rounded - 0x38000000u) >> 13); /* exponent bias 127 -> 15 */
+    }
+    /* A subnormal half (or zero, or 2^-14 by rounding up): a whole number of 2^-24 steps. The
+     * product is exact (a power of two) and nearbyintf rounds half to even. */
+    return sign | (uint16_t)nearbyintf(fabsf(value) * 0x1p24f);
+}
+
+/* x / divisor rounded to bfloat16 (to nearest, ties to even), as torch rounds it; NaN becomes
+ * 0x7fc0 with no sign, as torch makes it. */
+static inline __attribute__((always_inline)) uint16_t to_bfloat16(float value)
+{
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0u;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* out[i] = x[i] / divisor, rounded to half (kind 0) or bfloat16 (kind 1): a cast codec's payload
+ * of this rank's share of the average, in one pass (the torch ops divide in place, then cast). */
+GS_CLONES
+void gs_cast_mean(const float *restrict x, int64_t numel, float divisor, int32_t kind, uint16_t *restrict out)
+{
+    if (kind == 0)
+        for (int64_t i = 0; i < numel; ++i)
+            out[i] = to_half(x[i] / divisor);
+    else
+        for (int64_t i = 0; i < numel; ++i)
+            out[i] = to_bfloat16(x[i] / divisor);
+}

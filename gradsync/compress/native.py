@@ -53,7 +53,9 @@ _SIGNATURES = {
     "gs_absmax_encode": (None, [_ptr, _i64, _i64, _i32, _ptr, _ptr]),
     "gs_absmax_decode": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i32, _i32]),
     "gs_at_least": (_i64, [_ptr, _i64, _f32, _ptr, _i64]),
+    "gs_cast_mean": (None, [_ptr, _i64, _f32, _i32, _ptr]),
 }
+_HALF_KINDS = {torch.float16: 0, torch.bfloat16: 1}
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -95,6 +97,11 @@ def at_least(x: torch.Tensor, threshold: float, expected: int) -> torch.Tensor:
         if count <= capacity:
             return indices[:count]
         capacity = count
+
+
+def cast_mean(x: torch.Tensor, divisor: int, out: torch.Tensor) -> None:
+    """float16 or bfloat16 `out` = float32 `x` / divisor, each rounded once to out's type."""
+    _call("gs_cast_mean", x.data_ptr(), x.numel(), float(divisor), _HALF_KINDS[out.dtype], out.data_ptr())
 
 
 def _call(name: str, *args: object) -> int:
