@@ -34,10 +34,11 @@ bench-train: $(STAMP)
 		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,topk:ef=momentum,auto,auto:compressor=topk:ef=momentum \
 		--steps 400 --eval-every 25 --out docs/bench-train-mlp-wide
 
-# The same for gpt-tiny (19.1M parameters, AdamW).
+# The same for gpt-tiny (19.1M parameters, AdamW; top-k with plain error feedback, as momentum
+# correction is for momentum SGD).
 bench-train-gpt-tiny: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload gpt-tiny --world 4 --testbed \
-		--strategies ddp,torch-fp16,int4,topk,auto --steps 200 --eval-every 25 \
+		--strategies ddp,torch-fp16,int4,topk,auto,auto:compressor=topk --steps 200 --eval-every 25 \
 		--out docs/bench-train-gpt-tiny
 
 # Syncing rarely: DiLoCo every 25 inner steps (fp32 outer gradients), every 50 with int4 ones, and
