@@ -26,12 +26,13 @@ tables: $(STAMP)
 	$(BIN)/python -m gradsync bench tables
 
 # Time to DDP's held-out loss: mlp-wide (20.8M parameters) on 4 testbed hosts at 1 Gbit/s, DDP and
-# torch's fp16 and PowerSGD (rank 4) hooks against gradsync's default (int4), int8, top-k 1% with
-# momentum correction, plan="auto" and plan="auto" over top-k's levels within top-k 1%'s error.
+# torch's fp16 and PowerSGD (rank 4) hooks against gradsync's default (int4), int8, PowerSGD rank 4
+# with error feedback, top-k 1% with momentum correction, plan="auto" and plan="auto" over top-k's
+# levels within top-k 1%'s error.
 # (torch's bf16 hook refuses gloo: no CPU baseline.)
 bench-train: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload mlp-wide --world 4 --testbed \
-		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,topk:ef=momentum,auto,auto:compressor=topk:ef=momentum \
+		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,powersgd:rank=4,topk:ef=momentum,auto,auto:compressor=topk:ef=momentum \
 		--steps 400 --eval-every 25 --out docs/bench-train-mlp-wide
 
 # The same for gpt-tiny (19.1M parameters, AdamW; top-k with plain error feedback, as momentum
