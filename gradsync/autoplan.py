@@ -7,6 +7,7 @@ and hands the numbers in as a Measured; gradsync plan and the benchmarks call ma
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -154,7 +155,7 @@ def make_all(
         about = {**meta, "chosen": label}
         if errors is not None:  # the plan's measured compression error against its budget
             lossy = [(s.spec, g) for s, g in zip(chosen, groups, strict=True) if levels.is_lossy(s.spec)]
-            about["error"] = sum(errors.of(spec, group) for spec, group in lossy)
+            about["error"] = math.fsum(errors.by_spec[spec][i] for spec, group in lossy for i in group)
             about["error_budget"] = errors.budget
         plans.append(Plan(model, cluster.world_size, plan_groups, step, None, alternatives, about))
     return plans
@@ -208,11 +209,11 @@ def candidates(
     def compresses(plan: Plan) -> bool:
         return any(s.compressed for s in plan.strategies)
 
-    # What the config runs without a plan: the compressor by its own exchange on DDP's buckets.
-    fixed = f"{parse(levels.spec(config.compressor, config.compressor_args)).text}, DDP buckets"
+    # What the config runs without a plan: its compressor by its own exchange on every group.
+    fixed = parse(levels.spec(config.compressor, config.compressor_args))
     picks = [
         ranked[0],
-        next((p for p in ranked if p.meta.get("chosen") == fixed), None),
+        next((p for p in ranked if all(s == fixed for s in p.strategies)), None),
         next((p for p in ranked if compresses(p)), None),
         next((p for p in ranked if not compresses(p)), None),  # fp32 on DDP's buckets at worst
         next((p for p in ranked if str(p.meta.get("chosen", "")).endswith("DDP buckets")), None),

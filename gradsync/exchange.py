@@ -474,17 +474,17 @@ def _two_shot(
         summed.add_(shard_error)
     alone = comm.world_size == 1  # a shard of one rank's payload: forwarded as it is, not re-encoded
     if alone:
-        payload, residual = payloads[0], None
+        payload = payloads[0]
     else:
         payload, ctx = codec.compress(summed)  # zeros where a rank was not finite: streams in step
-        # The memory's next value, summed - decoded in place (no fresh tensors); kept only once
-        # every owner's payload is known to be finite.
-        residual = None
-        if shard_error is not None:
-            codec.sub_decoded_(summed, payload, ctx)
-            residual = summed
     nbytes = [sum(layout_nbytes(layout)) for layout in layouts]
-    frame = framed([t.reshape(-1).view(torch.uint8) for t in payload], ok)
+    frame = framed([t.reshape(-1).view(torch.uint8) for t in payload], ok)  # a copy of the payload
+    # The memory's next value, summed - decoded in place (no fresh tensors; after framing, since
+    # a payload may be a view of summed); kept only once every owner's payload is known finite.
+    residual = None
+    if not alone and shard_error is not None:
+        codec.sub_decoded_(summed, payload, ctx)
+        residual = summed
     frame = torch.cat([frame, frame.new_zeros(max(nbytes) + 1 - frame.numel())])  # equal frames
     clock.lap("compress")
     payload_nbytes = sum(nbytes) + (0 if alone else nbytes[mine])

@@ -14,7 +14,10 @@ that declares reads_gradient False may find `g` overwritten by then (the hook de
 into it). The caller calls `update` only for steps whose gradients were finite on every rank,
 so non-finite values never enter a memory; a point's steps run one after the other.
 
-`prepare` returns `g` itself or a tensor that shares no memory with `g`. It divides by the world
+`prepare` may be given a non-finite `g` (where the codec's payload shows it, the hook does not
+look first: Compressor.reveals_nonfinite), so it must leave every memory untouched: it writes
+only spares, and `update` alone changes state. `prepare` returns `g` itself or a tensor that
+shares no memory with `g`. It divides by the world
 size n where that costs nothing extra: residual feedback writes e + g / n straight into its spare
 buffer and leaves `g` alone; the others divide `g` in place first (they read it in update).
 """

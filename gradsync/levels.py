@@ -40,16 +40,17 @@ LADDERS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "powersgd": ("rank", (32, 16, 8, 4, 2, 1)),
 }
 FAMILIES: tuple[tuple[str, ...], ...] = (("int8", "int4"),)
-# Error steps per budget in the dynamic program: a group's error is rounded up to a step, so the
-# plan's measured error never exceeds the budget, and levels whose errors differ by less than a
-# thousandth of it may tie.
+# Error steps per budget in the dynamic program: what a group's level loses beyond the user's level
+# on it is rounded up to a step, so the plan's measured error never exceeds the budget, and levels
+# whose errors differ by less than a thousandth of it may tie.
 STEPS = 1000
 EXACT = "exact"  # a group exchanged without a lossy codec (fp32 or a cast): no error counted
 
 
 def specs(name: str, args: Mapping[str, Any] | None = None) -> list[str]:
     """The levels of codec `name` as strategy specs, finest first; the one with `args` (the
-    user's) among them, with the user's other arguments kept in every level.
+    user's) among them. A ladder's levels keep the user's other arguments; a family's siblings
+    (int8 beside int4) take their own defaults.
 
     Example:
         >>> specs("topk", {"ratio": 0.01})
@@ -76,59 +77,79 @@ def spec(name: str, args: Mapping[str, Any]) -> str:
 @dataclass(frozen=True)
 class Errors:
     """Measured compression errors: for each level (a spec), the squared error ||g - C(g)||^2 of
-    each gradient (in the order of the planner's gradients), and the budget: the total error of
-    the uniform level the user asked for."""
+    each gradient (in the order of the planner's gradients), and `own`, the level the user asked
+    for, whose total over every gradient is the budget. A gradient that was not measured has
+    error 0 at `own` and infinite error at every other level: it keeps the user's level."""
 
     by_spec: Mapping[str, tuple[float, ...]]
-    budget: float
+    own: str
+
+    @property
+    def budget(self) -> float:
+        return math.fsum(self.by_spec[self.own])
 
     def of(self, spec: str, gradients: Sequence[int]) -> float:
-        """The error of `spec` on a group of `gradients`: the sum of its gradients' errors."""
-        errors = self.by_spec[spec]
-        return math.fsum(errors[i] for i in gradients)
+        """The error of `spec` on a group of `gradients`: the sum of its gradients' errors (0 for
+        the exact exchanges, infinite for a lossy level that was not measured)."""
+        if not is_lossy(spec):
+            return 0.0
+        errors = self.by_spec.get(spec)
+        return math.inf if errors is None else math.fsum(errors[i] for i in gradients)
 
     def fits(self, spec: str, gradients: Sequence[int]) -> bool:
-        """Whether `spec` on all of `gradients` stays within the budget (exact specs always do;
-        a lossy one that was not measured never does)."""
-        if not is_lossy(spec):
-            return True
-        return spec in self.by_spec and self.of(spec, gradients) <= self.budget
+        """Whether `spec` on `gradients` loses no more than the user's level on them."""
+        return self.of(spec, gradients) <= self.of(self.own, gradients)
 
 
-def choose(costs: np.ndarray, errors: np.ndarray, budget: float) -> np.ndarray:
-    """Each group's option (column) of least total cost whose total error stays within `budget`.
+def choose(costs: np.ndarray, errors: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Each group's option (column) of least total cost whose total error stays within the total of
+    `reference`, the user's level's error on each group.
 
-    `costs` and `errors` are (groups, options); option 0 must be exact (no error): it always fits,
-    so there is always an answer. A dynamic program over the error in STEPS steps of the budget,
-    each group's error rounded up (so the total never exceeds the budget); infinite costs mark
-    options a group cannot take. Ties keep the earlier option.
+    `costs` and `errors` are (groups, options); infinite costs mark options a group cannot take.
+    The program runs over each option's error minus the group's reference, in STEPS steps of the
+    budget, rounded up: the total never exceeds the budget, and the user's own level everywhere
+    (0 steps a group) always fits, as does any option losing no more than it. Non-finite errors
+    never fit. Ties keep the earlier option.
 
     Example:
-        >>> choose(np.array([[3.0, 1.0], [3.0, 1.0]]), np.array([[0.0, 1.0], [0.0, 1.0]]), 1.0)
+        >>> costs, errors = np.array([[3.0, 1.0], [3.0, 1.0]]), np.array([[0.0, 1.0], [0.0, 1.0]])
+        >>> choose(costs, errors, reference=np.array([0.5, 0.5]))
         array([1, 0])
     """
     groups, options = costs.shape
-    if budget <= 0:
-        units = np.where(errors > 0, STEPS + 1, 0)
-    else:
-        units = np.ceil(np.clip(errors / budget, 0, 2) * STEPS - 1e-9).astype(int)
-    # best[k]: least cost of the groups so far with at most k steps of error; choice[g, k] the
-    # option group g took in it.
-    best = np.zeros(STEPS + 1)
-    choice = np.zeros((groups, STEPS + 1), dtype=int)
+    budget = float(np.sum(reference))
+    delta = errors - reference[:, None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scaled = delta / budget * STEPS if budget > 0 else np.where(delta > 0, np.inf, 0.0)
+    scaled = np.where(np.isfinite(scaled), scaled, STEPS + 1)
+    units = np.ceil(np.clip(scaled, -STEPS, STEPS + 1) - 1e-9).astype(int)
+    # best[STEPS + s]: least cost of the groups so far whose error totals s steps over the budget's
+    # share so far (s in -STEPS .. STEPS: beyond STEPS no later credit can bring it back within);
+    # choice[g, STEPS + s] the option group g took there.
+    width = 2 * STEPS + 1
+    best = np.full(width, np.inf)
+    best[STEPS] = 0.0
+    choice = np.zeros((groups, width), dtype=int)
     for g in range(groups):
-        trial = np.full((options, STEPS + 1), np.inf)
+        trial = np.full((options, width), np.inf)
         for o in range(options):
-            u = units[g, o]
-            if u <= STEPS and np.isfinite(costs[g, o]):
-                trial[o, u:] = best[: STEPS + 1 - u] + costs[g, o]
+            u = int(units[g, o])
+            if abs(u) <= STEPS and np.isfinite(costs[g, o]):
+                if u >= 0:
+                    trial[o, u:] = best[: width - u] + costs[g, o]
+                else:
+                    trial[o, :u] = best[-u:] + costs[g, o]
         choice[g] = np.argmin(trial, axis=0)  # the first least: earlier options win ties
-        best = trial[choice[g], np.arange(STEPS + 1)]
+        best = trial[choice[g], np.arange(width)]
+    k = int(np.argmin(best[: STEPS + 1]))  # within the budget: s <= 0
+    if not np.isfinite(best[k]):
+        raise ValueError(
+            "no option fits every group: give each group one that loses no more than its reference"
+        )
     picked = np.zeros(groups, dtype=int)
-    k = STEPS
     for g in reversed(range(groups)):
         picked[g] = choice[g, k]
-        k -= units[g, picked[g]]
+        k -= int(units[g, picked[g]])
     return picked
 
 
@@ -145,23 +166,20 @@ def allowed(
     errors: Errors,
 ) -> np.ndarray:
     """`valid` (groups, strategies) narrowed so that each group's lossy strategies are those of one
-    level, chosen by `choose` within errors.budget: `spec_of[j]` is strategy j's codec spec,
-    `costs[g, j]` what group g's exchange by strategy j costs. The exact strategies stay open to
-    every group. A lossy spec that was not measured is open to none."""
+    level, chosen by `choose` within errors.budget (the user's level on every group fits):
+    `spec_of[j]` is strategy j's codec spec, `costs[g, j]` what group g's exchange by strategy j
+    costs. The exact strategies stay open to every group; a lossy spec that was not measured is
+    open to none."""
     lossy = list(dict.fromkeys(s for s in spec_of if is_lossy(s)))
     options = [EXACT, *lossy]
     option_of = np.array([options.index(s) if is_lossy(s) else 0 for s in spec_of])
     open_costs = np.where(valid, costs, np.inf)
     option_costs = np.full((len(groups), len(options)), np.inf)
-    option_errors = np.zeros((len(groups), len(options)))
-    for o, level in enumerate(options):
+    for o in range(len(options)):
         members = option_of == o
         if members.any():
             option_costs[:, o] = open_costs[:, members].min(axis=1)
-        if level != EXACT:
-            if level not in errors.by_spec:
-                option_costs[:, o] = np.inf
-                continue
-            option_errors[:, o] = [errors.of(level, group) for group in groups]
-    picked = choose(option_costs, option_errors, errors.budget)
+    option_errors = np.array([[errors.of(level, group) for level in options] for group in groups])
+    reference = np.array([errors.of(errors.own, group) for group in groups])
+    picked = choose(option_costs, option_errors, reference)
     return valid & ((option_of[None, :] == 0) | (option_of[None, :] == picked[:, None]))

@@ -199,13 +199,21 @@ def error_levels(gradients: Mapping[int, torch.Tensor], config: SyncConfig) -> d
 def budget(
     config: SyncConfig, errors: Mapping[int, Mapping[str, float]] | None, order: Sequence[int]
 ) -> levels.Errors | None:
-    """The errors in the planner's gradient order, with the budget: the error of the config's own
-    compressor on every gradient. None where nothing lossy is planned or nothing was measured."""
+    """The errors in the planner's gradient order, the config's own level the budget's measure
+    (gradsync.levels.Errors). None where nothing lossy is planned or nothing was measured. A
+    gradient without finite measured errors keeps the config's level."""
     specs = lossy_specs(config)
     if not errors or not specs:
         return None
-    by_spec = {spec: tuple(errors.get(param, {}).get(spec, 0.0) for param in order) for spec in specs}
-    return levels.Errors(by_spec, math.fsum(by_spec[levels.spec(config.compressor, config.compressor_args)]))
+    own = levels.spec(config.compressor, config.compressor_args)
+
+    def error(param: int, spec: str) -> float:
+        measured = errors.get(param)
+        if measured is None or not all(math.isfinite(v) for v in measured.values()):
+            return 0.0 if spec == own else math.inf
+        return measured[spec]
+
+    return levels.Errors({spec: tuple(error(param, spec) for param in order) for spec in specs}, own)
 
 
 def copy_bandwidth(device: torch.device, numel: int = 1 << 24) -> float:
@@ -347,7 +355,9 @@ class AutoState(SyncState):
         if bucket.buffer().is_sparse or not lossy_specs(self.config):
             return
         params = [self._param_index[id(p)] for p in bucket.parameters()]
-        self._errors.update(error_levels(dict(zip(params, bucket.gradients(), strict=True)), self.config))
+        measured = error_levels(dict(zip(params, bucket.gradients(), strict=True)), self.config)
+        # A gradient with NaN or inf (an AMP overflow step) says nothing of what compression loses.
+        self._errors.update({p: e for p, e in measured.items() if all(map(math.isfinite, e.values()))})
 
     def _make_candidates(self, steps: Sequence[int]) -> None:
         comm = self._comm()

@@ -172,6 +172,27 @@ def test_declared_capabilities_do_not_contradict_each_other(name: str) -> None:
         assert not kind.needs_feedback  # unbiased codecs lose nothing in expectation
 
 
+REVEALING = [c for c in CASES if cls(c).reveals_nonfinite]
+
+
+@pytest.mark.parametrize("case", REVEALING, ids=case_id)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_codec_that_reveals_a_non_finite_input_puts_one_in_its_payload_and_keeps_no_state(
+    case: Case, bad: float
+) -> None:
+    # The hook skips its own finiteness pass for these codecs: the exchange's check of the
+    # payloads must find the bad entry, wherever it is, and no codec state may have taken it in.
+    assert REVEALING and {"fp16", "int4"} <= {name for name, _ in REVEALING}
+    codec = make(case)
+    assert codec.state_dict() == make(case).state_dict() and case not in MEMORY
+    for where in (0, 500, 4096):
+        x = randn(4097)
+        x[where] = bad
+        payload, _ = codec.compress(x)
+        floats = [t for t in payload if t.is_floating_point()]
+        assert floats and not all(bool(torch.isfinite(t).all()) for t in floats), where
+
+
 # -- round trip, payload size, decoding --------------------------------------------------------
 
 FP32_SHAPES = [(1,), (7,), (1000,), (4097,), (33, 17), (2, 3, 5), (), (0,)]

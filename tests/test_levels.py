@@ -33,17 +33,19 @@ def test_choose_finds_the_cheapest_choice_within_the_budget(seed: int) -> None:
     groups, options = int(rng.integers(1, 6)), int(rng.integers(2, 5))
     costs = rng.uniform(0.1, 10.0, (groups, options))
     # Errors on the program's own grid (whole steps of the budget), so that rounding loses nothing
-    # and the program must match brute force exactly; option 0 is exact.
-    budget = 3.0
-    errors = rng.integers(0, levels.STEPS // 2, (groups, options)) * budget / levels.STEPS
-    errors[:, 0] = 0.0
-    picked = levels.choose(costs, errors, budget)
+    # and the program must match brute force exactly; option 0 is exact, option 1 the user's.
+    reference = rng.integers(1, levels.STEPS // groups, groups).astype(float)
+    reference *= levels.STEPS / reference.sum()  # whole steps still: the budget is STEPS steps
+    errors = rng.integers(0, levels.STEPS // 2, (groups, options)).astype(float)
+    errors[:, 0], errors[:, 1] = 0.0, reference
+    budget = float(reference.sum())
+    picked = levels.choose(costs, errors, reference)
     rows = np.arange(groups)
     assert errors[rows, picked].sum() <= budget * (1 + 1e-12)
     assert costs[rows, picked].sum() == pytest.approx(brute_force(costs, errors, budget))
 
 
-def test_choose_never_exceeds_the_budget_and_skips_what_a_group_cannot_take() -> None:
+def test_choose_never_exceeds_the_budget_and_the_users_level_always_fits() -> None:
     rng = np.random.default_rng(7)
     costs = rng.uniform(0.1, 10.0, (30, 5))
     costs[:, 1:] = np.sort(costs[:, 1:], axis=1)[:, ::-1]  # lossier options are cheaper
@@ -51,12 +53,20 @@ def test_choose_never_exceeds_the_budget_and_skips_what_a_group_cannot_take() ->
     errors = np.sort(rng.uniform(0.0, 1.0, (30, 5)), axis=1)
     errors[:, 0] = 0.0
     costs[3, 4] = np.inf  # group 3 cannot take option 4
-    for budget in (0.0, 0.5, 3.0, 100.0):
-        picked = levels.choose(costs, errors, budget)
-        assert errors[np.arange(30), picked].sum() <= budget
-        assert picked[3] != 4
-    assert (levels.choose(costs, errors, 100.0)[np.arange(30) != 3] == 4).all()  # all the cheapest
-    assert (levels.choose(costs, errors, 0.0) == 0).all()  # nothing lossy
+    errors[5, 3] = np.nan  # nor group 5 option 3: its error was not finite
+    for level in (1, 2, 3, 4):  # the user's level: the budget is its error on every group
+        reference = errors[:, level].copy()
+        reference[5] = errors[5, 4] if level == 3 else reference[5]
+        picked = levels.choose(costs, errors, reference)
+        assert np.nansum(errors[np.arange(30), picked]) <= reference.sum() * (1 + 1e-12)
+        assert picked[3] != 4 and picked[5] != 3
+    # Rounding never rules out the user's own level everywhere: with nothing cheaper that fits,
+    # that is the answer.
+    only_own = np.full((30, 3), np.inf)
+    only_own[:, 0], only_own[:, 1] = 20.0, 1.0
+    own_errors = np.column_stack([np.zeros(30), rng.uniform(0.1, 1.0, 30), np.full(30, 9.0)])
+    assert (levels.choose(only_own, own_errors, own_errors[:, 1]) == 1).all()
+    assert (levels.choose(costs[:, :2], errors[:, :2], np.zeros(30)) == 0).all()  # a zero budget
 
 
 def test_each_codec_s_levels_run_finest_first_and_hold_the_users_own() -> None:
@@ -75,7 +85,12 @@ def test_allowed_leaves_each_group_one_lossy_level_and_every_exact_way() -> None
     specs = ["none", "fp16", "topk:ratio=0.1", "topk:ratio=0.1", "topk:ratio=0.01"]
     costs = np.array([[9.0, 5.0, 3.0, 2.5, 1.0]] * 3)
     valid = np.ones((3, 5), dtype=bool)
-    errors = levels.Errors({"topk:ratio=0.1": (0.1, 0.1, 0.1), "topk:ratio=0.01": (0.5, 0.5, 0.5)}, 1.15)
+    by_spec = {
+        "topk:ratio=0.1": (0.1, 0.1, 0.1),
+        "topk:ratio=0.03": (0.38, 0.38, 0.38),
+        "topk:ratio=0.01": (0.5, 0.5, 0.5),
+    }
+    errors = levels.Errors(by_spec, own="topk:ratio=0.03")  # a budget of 1.14
     allowed = levels.allowed(specs, [[0], [1], [2]], costs, valid, errors)
     assert allowed[:, :2].all()  # fp32 and the cast: always open
     for row in allowed:
@@ -95,8 +110,7 @@ def _errors(config: SyncConfig) -> levels.Errors:
     for spec in tuner.lossy_specs(config):
         ratio = dict(parse(spec).args)["ratio"]
         by_spec[spec] = (0.01 / ratio, 0.0001 / ratio)  # (small, big)
-    own = levels.spec(config.compressor, config.compressor_args)
-    return levels.Errors(by_spec, math.fsum(by_spec[own]))
+    return levels.Errors(by_spec, own=levels.spec(config.compressor, config.compressor_args))
 
 
 def test_plans_stay_within_the_error_budget_and_spend_it_where_it_buys_speed() -> None:
@@ -141,3 +155,10 @@ def test_the_budget_is_the_users_own_level_on_every_gradient_in_the_planners_ord
     assert found.by_spec["int4"] == (measured[1]["int4"], measured[0]["int4"])
     assert found.budget == pytest.approx(measured[0]["int4"] + measured[1]["int4"])
     assert tuner.budget(SyncConfig(compressor="fp16", plan="auto"), measured, [1, 0]) is None
+    # A gradient measured non-finite (an overflow step), or not measured at all, keeps the user's
+    # level: no error of its own counts, and no other level is open to it.
+    bad = {**measured, 1: {"int8": math.inf, "int4": math.nan}}
+    for errors in (tuner.budget(config, bad, [1, 0]), tuner.budget(config, {0: measured[0]}, [1, 0])):
+        assert errors.by_spec["int4"][0] == 0.0 and errors.by_spec["int8"][0] == math.inf
+        assert errors.budget == pytest.approx(measured[0]["int4"])
+        assert errors.fits("int4", [0, 1]) and not errors.fits("int8", [0, 1]) and errors.fits("fp16", [0])

@@ -7,6 +7,8 @@ codec both ways (native.disabled() is the torch path) and compares bit patterns,
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -14,11 +16,18 @@ import pytest
 import torch
 
 from gradsync.compress import build, native
-from gradsync.compress.sparse import above, exact_topk, sampled_topk
+from gradsync.compress.sparse import exact_topk, magnitude_at_least, sampled_topk
 
+COMPILER = shlex.split(os.environ.get("CC") or "cc")[0]
 pytestmark = pytest.mark.skipif(
-    not native.usable(torch.zeros(1)), reason="no C compiler here: the codecs run their torch ops"
+    shutil.which(COMPILER) is None, reason=f"no C compiler ({COMPILER}) here: the codecs run their torch ops"
 )
+
+
+def test_the_kernels_build_wherever_there_is_a_compiler():
+    # Not a skip: a native.c this compiler rejects must fail here, not pass as "no compiler".
+    assert native.usable(torch.zeros(1))
+
 
 SIZES = [1, 2, 7, 128, 129, 255, 256, 1000, 4097]
 
@@ -100,15 +109,15 @@ def test_an_odd_int4_block_runs_the_torch_ops():
 
 
 @pytest.mark.parametrize("numel", [*SIZES, 100_003])
-def test_above_finds_what_the_comparison_finds(numel):
+def test_magnitude_at_least_finds_what_the_comparison_finds(numel):
     x = gradient(numel, seed=numel)
     x[numel // 2] = float("nan")  # never passes, as in torch
     for threshold in (0.0, 0.5, 1.5, 2.5758, float(x.abs().nan_to_num().max()), 1e9):
         expected = (x.abs() >= threshold).nonzero().squeeze(1)
         for guess in (0, 3, numel):  # too few: the kernel's second try; enough; all
-            assert torch.equal(above(x, threshold, guess), expected)
+            assert torch.equal(magnitude_at_least(x, threshold, guess), expected)
         with native.disabled():
-            assert torch.equal(above(x, threshold, 0), expected)
+            assert torch.equal(magnitude_at_least(x, threshold, 0), expected)
 
 
 def test_sampled_topk_and_threshold_choose_the_same_entries_both_ways():
@@ -145,6 +154,36 @@ def test_a_cast_of_the_mean_gives_the_torch_ops_bits(name, world_size):
     nan = torch.isnan(slow[0].float())
     assert torch.equal(nan, torch.isnan(fast[0].float()))
     assert torch.equal(bits(fast[0])[~nan], bits(slow[0])[~nan])
+    if name == "fp16":  # native.c's own rounding, which CPUs without F16C run, gives them too
+        portable = torch.empty_like(slow[0])
+        native.cast_mean(x, world_size, portable, portable=True)
+        assert torch.equal(torch.isnan(portable.float()), nan)
+        assert torch.equal(bits(portable)[~nan], bits(slow[0])[~nan])
+
+
+def test_large_tensors_cut_over_torchs_threads_give_one_calls_bits():
+    x = gradient(3_000_001, seed=9)
+    x[1_500_000] = float("nan")
+    codec = build("int4")
+
+    def every_kernel():
+        payload, ctx = codec.compress(x)
+        out = torch.ones_like(x)
+        codec.add_decoded_(out, payload, ctx)
+        half = torch.empty(x.numel(), dtype=torch.float16)
+        native.cast_mean(x, 3, half)
+        return [*payload, out, half, magnitude_at_least(x, 1.5, expected=100)]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = every_kernel()
+        torch.set_num_threads(4)
+        cut = every_kernel()
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, cut, strict=True):
+        assert torch.equal(bits(a), bits(b)) if a.is_floating_point() else torch.equal(a, b)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -56,7 +56,9 @@ class Int8(Compressor):
         # Divide by the scale rather than multiply by levels / absmax, which overflows to inf for
         # blocks below about 4e-37; all-zero blocks divide by 1, not 0.
         divisor = torch.where(absmax > 0, scales, torch.ones_like(scales))
-        codes = rows.div_(divisor.unsqueeze(1)).round_().view(-1)[: flat.numel()]
+        # Clamped: a block whose scale is subnormal divides to beyond the levels (as native.c's).
+        levels = self.levels()
+        codes = rows.div_(divisor.unsqueeze(1)).round_().clamp_(-levels, levels).view(-1)[: flat.numel()]
         return (self._pack(codes), scales), (x.shape, x.dtype)
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
@@ -104,10 +106,16 @@ class Int8(Compressor):
         """Whether native.c's kernels run on `tensors` (float32 ones, as the callers check): on the
         CPU, and (int4) with blocks that never share a byte, as an odd block_size would."""
         wire_types = all(t.dtype in (torch.float32, torch.uint8, torch.int8) for t in tensors)
-        return wire_types and (self.bits == 8 or self.block_size % 2 == 0) and native.usable(*tensors)
+        widths = self.bits == 8 or (self.bits == 4 and self.block_size % 2 == 0)  # native.c's
+        return wire_types and widths and native.usable(*tensors)
 
     def _decode_native(self, out: torch.Tensor, payload: Payload, ctx: Any, mode: int) -> None:
         self._check(payload, ctx)
+        if out.numel() != ctx[0].numel():  # the kernel writes out.numel() entries
+            raise ValueError(
+                f"int{self.bits}: decoding a payload of {ctx[0].numel()} entries into a tensor of "
+                f"{out.numel()}; pass a tensor shaped like the one compressed"
+            )
         native.absmax_decode(out.view(-1), payload[0], payload[1], self.block_size, self.bits, mode)
 
     def _codes(self, payload: Payload, ctx: Any) -> tuple[torch.Tensor, int]:

@@ -15,6 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "gradsync's kernels read flags and codes as little-endian words; the torch ops run instead"
+#endif
+
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 /* One clone for AVX2 machines, one for any x86-64; the loader picks at run time. */
 #define GS_CLONES __attribute__((target_clones("avx2", "default")))
@@ -52,6 +56,17 @@ static inline __attribute__((always_inline)) float block_absmax(const float *res
     return absmax;
 }
 
+/* round(q) within -levels .. levels: a block whose scale is subnormal (absmax below about 1e-36)
+ * divides to beyond the levels, and a non-finite block to NaN, whose conversion to an integer C
+ * leaves undefined; torch's path clamps alike (its NaN codes are never read: the scale says so). */
+static inline __attribute__((always_inline)) float code_of(float q, float levels)
+{
+    const float rounded = nearbyintf(q);
+    const float below = rounded > levels ? levels : rounded;
+    const float within = below < -levels ? -levels : below;
+    return within == within ? within : 0.0f;
+}
+
 GS_CLONES
 void gs_absmax_encode(const float *restrict x, int64_t numel, int64_t block, int32_t bits,
                       uint8_t *restrict packed, float *restrict scales)
@@ -70,11 +85,11 @@ void gs_absmax_encode(const float *restrict x, int64_t numel, int64_t block, int
             if (bits == 8) {
                 int8_t *restrict out = (int8_t *)packed + at;
                 for (int64_t i = 0; i < count; ++i)
-                    out[i] = (int8_t)nearbyintf(in[i] / divisor);
+                    out[i] = (int8_t)code_of(in[i] / divisor, levels);
                 continue;
             }
             for (int64_t i = 0; i < count; ++i)
-                codes[i] = (uint8_t)(int32_t)(nearbyintf(in[i] / divisor) + levels);
+                codes[i] = (uint8_t)(int32_t)(code_of(in[i] / divisor, levels) + levels);
             /* Two codes a byte: byte j = code 2j | code 2j+1 << 4 (at is even: chunks and
              * blocks start at even entries). */
             uint8_t *restrict out = packed + (at >> 1);
@@ -160,8 +175,9 @@ int64_t gs_at_least(const float *restrict x, int64_t numel, float threshold, int
 }
 
 /* `value` rounded to IEEE half precision (to nearest, ties to even), as torch's float -> half
- * conversion rounds it: the bit pattern. NaN becomes the quiet NaN 0x7e00 with the sign. Every
- * case is computed and the right one selected, without branches, so that the loop vectorizes. */
+ * conversion rounds it: the bit pattern. NaN becomes the quiet NaN 0x7e00 with the sign (torch's
+ * NaN patterns differ by path; every NaN is as non-finite). Every case is computed and the right
+ * one selected, without branches, so that the loop vectorizes. */
 static inline __attribute__((always_inline)) uint16_t to_half(float value)
 {
     uint32_t bits;
@@ -181,8 +197,8 @@ static inline __attribute__((always_inline)) uint16_t to_half(float value)
     return (uint16_t)(sign | half);
 }
 
-/* x / divisor rounded to bfloat16 (to nearest, ties to even), as torch rounds it; NaN becomes
- * 0x7fc0 with no sign, as torch makes it. */
+/* `value` rounded to bfloat16 (to nearest, ties to even), as torch rounds it; NaN becomes the
+ * quiet NaN 0x7fc0 (torch's own NaN patterns differ by path; every NaN is as non-finite). */
 static inline __attribute__((always_inline)) uint16_t to_bfloat16(float value)
 {
     uint32_t bits;
@@ -194,7 +210,17 @@ static inline __attribute__((always_inline)) uint16_t to_bfloat16(float value)
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 #define GS_F16C 1
+#include <cpuid.h>
 #include <immintrin.h>
+
+/* Whether this CPU converts to half precision (F16C, CPUID leaf 1, ECX bit 29) and the OS saves
+ * AVX state; asked of CPUID itself, as older compilers do not know "f16c" as a feature name. */
+static int has_f16c(void)
+{
+    unsigned int a, b, c, d;
+    return __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+}
+
 /* The same rounding by the F16C instruction (vcvtps2ph, to nearest even), eight at a time, as
  * torch's own vectorized cast does it: the compiler does not vectorize a conversion to _Float16. */
 __attribute__((target("avx,f16c"))) static void half_mean_f16c(const float *restrict x, int64_t numel,
@@ -211,22 +237,22 @@ __attribute__((target("avx,f16c"))) static void half_mean_f16c(const float *rest
 }
 #endif
 
-/* out[i] = x[i] / divisor, rounded to half (kind 0) or bfloat16 (kind 1): a cast codec's payload
- * of this rank's share of the average, in one pass (the torch ops divide in place, then cast). */
+/* out[i] = x[i] / divisor, rounded to half (kind 0; by F16C where the CPU has it, kind 2: always
+ * by to_half, for tests) or bfloat16 (kind 1): a cast codec's payload of this rank's share of the
+ * average, in one pass (the torch ops divide in place, then cast). */
 GS_CLONES
 void gs_cast_mean(const float *restrict x, int64_t numel, float divisor, int32_t kind, uint16_t *restrict out)
 {
-    if (kind == 0) {
 #ifdef GS_F16C
-        if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) {
-            half_mean_f16c(x, numel, divisor, out);
-            return;
-        }
+    if (kind == 0 && has_f16c()) {
+        half_mean_f16c(x, numel, divisor, out);
+        return;
+    }
 #endif
-        for (int64_t i = 0; i < numel; ++i)
-            out[i] = to_half(x[i] / divisor);
-    } else {
+    if (kind == 1)
         for (int64_t i = 0; i < numel; ++i)
             out[i] = to_bfloat16(x[i] / divisor);
-    }
+    else
+        for (int64_t i = 0; i < numel; ++i)
+            out[i] = to_half(x[i] / divisor);
 }

@@ -7,8 +7,13 @@ whether a rank has them changes its speed, never its results; tests compare the 
 
 native.c is plain C99: it is compiled once per machine with the system's C compiler (`$CC`, else
 `cc`) into gradsync's cache directory (`$GRADSYNC_CACHE`, else `$XDG_CACHE_HOME/gradsync`, else
-`~/.cache/gradsync`), named by a hash of the source and flags, so an edit rebuilds it. Without a
-compiler the torch ops run, with one warning. `GRADSYNC_NATIVE=0` turns the kernels off.
+`~/.cache/gradsync`; a temporary directory where that cannot be written), named by a hash of the
+source, the flags and the machine's architecture, so an edit rebuilds it. Without a compiler the
+torch ops run, with one warning. `GRADSYNC_NATIVE=0` turns the kernels off.
+
+Large tensors are cut into as many pieces as torch has threads (torch.get_num_threads()), each
+piece a kernel call on a thread of its own (ctypes lets go of the GIL), as torch's own ops use
+every thread they are given.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,23 +38,30 @@ import torch
 log = logging.getLogger("gradsync")
 
 _SOURCE = Path(__file__).with_name("native.c")
-# -ffp-contract=off: no fused multiply-add, whose single rounding the torch ops do not have.
-# -fno-math-errno lets fabsf and nearbyintf vectorize and -fno-strict-aliasing lets a kernel read
-# floats as their bit patterns; neither changes a result.
+# -ffp-contract=off: no fused multiply-add, whose single rounding the torch ops do not have;
+# -fno-fast-math against compilers that default to it. -fno-math-errno lets fabsf and nearbyintf
+# vectorize and -fno-strict-aliasing lets a kernel read floats as their bit patterns; neither
+# changes a result.
 _FLAGS = (
     "-O3",
     "-std=c99",
     "-shared",
     "-fPIC",
     "-ffp-contract=off",
+    "-fno-fast-math",
     "-fno-math-errno",
     "-fno-strict-aliasing",
 )
+_BUILD_TIMEOUT_S = 120
+# Below this many entries a tensor is one call: a thread's start costs more than it saves.
+_PARALLEL_NUMEL = 1 << 20
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
 _enabled = os.environ.get("GRADSYNC_NATIVE", "1") != "0"
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -55,7 +70,7 @@ _SIGNATURES = {
     "gs_at_least": (_i64, [_ptr, _i64, _f32, _ptr, _i64]),
     "gs_cast_mean": (None, [_ptr, _i64, _f32, _i32, _ptr]),
 }
-_HALF_KINDS = {torch.float16: 0, torch.bfloat16: 1}
+_HALF, _BFLOAT16, _HALF_PORTABLE = 0, 1, 2  # gs_cast_mean's kinds
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -75,33 +90,97 @@ def disabled() -> Iterator[None]:
 
 
 def absmax_encode(x: torch.Tensor, block: int, bits: int, packed: torch.Tensor, scales: torch.Tensor) -> None:
-    """Int8's and Int4's codes of float32 `x` into `packed` (uint8) and its blocks' scales."""
-    _call("gs_absmax_encode", x.data_ptr(), x.numel(), block, bits, packed.data_ptr(), scales.data_ptr())
+    """Int8's and Int4's codes of float32 `x` into `packed` (int8 or uint8) and its blocks' scales;
+    `bits` is 8 or 4, and `block` even where it is 4 (no byte holds two blocks' codes)."""
+    assert bits in (4, 8) and (bits == 8 or block % 2 == 0), (bits, block)
+
+    def piece(lo: int, hi: int) -> None:
+        _call(
+            "gs_absmax_encode",
+            x.data_ptr() + 4 * lo,
+            hi - lo,
+            block,
+            bits,
+            packed.data_ptr() + lo * bits // 8,
+            scales.data_ptr() + 4 * (lo // block),
+        )
+
+    _in_pieces(x.numel(), block, piece)
 
 
 def absmax_decode(
     out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block: int, bits: int, mode: int
 ) -> None:
-    """float32 `out` = (0), += (1) or -= (2) the decoded codes."""
-    args = (out.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.numel(), block, bits, mode)
-    _call("gs_absmax_decode", *args)
+    """float32 `out` = (mode 0), += (1) or -= (2) the decoded codes (as absmax_encode's)."""
+    assert bits in (4, 8) and (bits == 8 or block % 2 == 0), (bits, block)
+
+    def piece(lo: int, hi: int) -> None:
+        _call(
+            "gs_absmax_decode",
+            out.data_ptr() + 4 * lo,
+            packed.data_ptr() + lo * bits // 8,
+            scales.data_ptr() + 4 * (lo // block),
+            hi - lo,
+            block,
+            bits,
+            mode,
+        )
+
+    _in_pieces(out.numel(), block, piece)
 
 
 def at_least(x: torch.Tensor, threshold: float, expected: int) -> torch.Tensor:
     """Ascending int64 positions of float32 `x`'s entries with |x| >= threshold, in one pass;
     `expected` (about how many) sizes the first try, and a second pass follows where more pass."""
-    capacity = max(expected, 16)
-    while True:
-        indices = torch.empty(capacity, dtype=torch.int64)
-        count = _call("gs_at_least", x.data_ptr(), x.numel(), threshold, indices.data_ptr(), capacity)
-        if count <= capacity:
-            return indices[:count]
-        capacity = count
+    found: dict[int, torch.Tensor] = {}
+
+    def piece(lo: int, hi: int) -> None:
+        capacity = max(expected * (hi - lo) // max(x.numel(), 1), 16)
+        while True:
+            indices = torch.empty(capacity, dtype=torch.int64)
+            count = _call(
+                "gs_at_least", x.data_ptr() + 4 * lo, hi - lo, threshold, indices.data_ptr(), capacity
+            )
+            if count <= capacity:
+                found[lo] = indices[:count].add_(lo) if lo else indices[:count]
+                return
+            capacity = count
+
+    _in_pieces(x.numel(), 1, piece)
+    return found[0] if len(found) == 1 else torch.cat([found[lo] for lo in sorted(found)])
 
 
-def cast_mean(x: torch.Tensor, divisor: int, out: torch.Tensor) -> None:
-    """float16 or bfloat16 `out` = float32 `x` / divisor, each rounded once to out's type."""
-    _call("gs_cast_mean", x.data_ptr(), x.numel(), float(divisor), _HALF_KINDS[out.dtype], out.data_ptr())
+def cast_mean(x: torch.Tensor, divisor: int, out: torch.Tensor, portable: bool = False) -> None:
+    """float16 or bfloat16 `out` = float32 `x` / divisor, each rounded once to out's type;
+    `portable`: half precision by native.c's own rounding even where the CPU has F16C (tests)."""
+    kind = _BFLOAT16 if out.dtype == torch.bfloat16 else _HALF_PORTABLE if portable else _HALF
+
+    def piece(lo: int, hi: int) -> None:
+        _call("gs_cast_mean", x.data_ptr() + 4 * lo, hi - lo, float(divisor), kind, out.data_ptr() + 2 * lo)
+
+    _in_pieces(x.numel(), 1, piece)
+
+
+def _in_pieces(numel: int, align: int, piece: Callable[[int, int], None]) -> None:
+    """piece(lo, hi) over [0, numel) in as many pieces as torch has threads, each starting at a
+    multiple of `align`, run at once on a pool of threads; one call where the tensor is small."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or numel < _PARALLEL_NUMEL:
+        piece(0, numel)
+        return
+    step = -(-numel // threads)
+    step = -(-step // align) * align
+    bounds = [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
+    for done in [_threads(threads).submit(piece, lo, hi) for lo, hi in bounds]:
+        done.result()
+
+
+def _threads(count: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _lock:
+        if _pool is None or _pool_size < count:
+            _pool, _pool_size = ThreadPoolExecutor(count, thread_name_prefix="gradsync-kernel"), count
+        return _pool
 
 
 def _call(name: str, *args: object) -> int:
@@ -136,29 +215,41 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 def _build() -> Path:
     """The compiled library, built now if this source and these flags were never built here."""
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"native-{digest}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler: {compiler!r} is not on PATH (set CC)")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    key = source + " ".join((*_FLAGS, platform.machine())).encode()
+    name = f"native-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    for directory in _cache_dirs():
+        if (directory / name).exists():
+            return directory / name
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise OSError(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC)")
+    errors = []
+    for directory in _cache_dirs():
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return _compile(compiler, directory / name)
+        except PermissionError as error:  # an unwritable cache: the next place
+            errors.append(str(error))
+    raise OSError(f"no cache directory gradsync can write: {'; '.join(errors)}")
+
+
+def _compile(compiler: list[str], target: Path) -> Path:
     # Built under a private name and renamed into place: ranks that build at once never load a
     # half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
-        done = subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
-        )
+        command = [*compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if done.returncode != 0:
-            raise OSError(f"{compiler} failed on {_SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise OSError(f"{' '.join(compiler)} failed on {_SOURCE.name}: {done.stderr.strip()[-2000:]}")
         os.replace(built, target)
     return target
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the library is kept, in order of preference."""
     if os.environ.get("GRADSYNC_CACHE"):
-        return Path(os.environ["GRADSYNC_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "gradsync"
+        first = Path(os.environ["GRADSYNC_CACHE"])
+    else:
+        first = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gradsync"
+    return [first, Path(tempfile.gettempdir()) / f"gradsync-{os.getuid()}"]

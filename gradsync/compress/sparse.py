@@ -111,14 +111,14 @@ def sampled_topk(flat: torch.Tensor, k: int, sample_ratio: float, generator: tor
     wanted = min(num_samples, max(1, int(num_samples * k / numel * OVERSELECT) + 1))
     while wanted < num_samples:
         threshold = sample.kthvalue(num_samples - wanted + 1).values
-        candidates = above(flat, float(threshold), expected=int(k * OVERSELECT * 1.25))
+        candidates = magnitude_at_least(flat, float(threshold), expected=int(k * OVERSELECT * 1.25))
         if candidates.numel() >= k:
             return _best_of(candidates, flat.index_select(0, candidates).abs_(), k)
         wanted *= 4  # the sample underestimated the tail: lower the threshold and retry
     return exact_topk(flat, k)
 
 
-def above(flat: torch.Tensor, threshold: float, expected: int) -> torch.Tensor:
+def magnitude_at_least(flat: torch.Tensor, threshold: float, expected: int) -> torch.Tensor:
     """Ascending int64 indices of the entries of 1-D `flat` with |flat| >= threshold (compared in
     flat's dtype); `expected`, about how many, sizes the native kernel's first try. One pass of
     native.c's kernel where it runs, else magnitudes and at_least."""

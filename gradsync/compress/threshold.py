@@ -8,7 +8,7 @@ import torch
 
 from ..wire import index_nbytes
 from .base import check_real
-from .sparse import Sparsifier, above
+from .sparse import Sparsifier, magnitude_at_least
 
 
 class Threshold(Sparsifier):
@@ -35,7 +35,7 @@ class Threshold(Sparsifier):
         self.threshold = check_real("threshold", threshold, 0, math.inf, "()", "a magnitude such as 1e-3")
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
-        return above(flat, self.threshold, expected=flat.numel() // 64)
+        return magnitude_at_least(flat, self.threshold, expected=flat.numel() // 64)
 
     def payload_bytes(self, numel: int) -> int:
         return index_nbytes(numel, numel) + 4 * numel
