@@ -212,6 +212,7 @@ def budget(
 
     def error(param: int, spec: str) -> float:
         measured = errors.get(param)
+        # A gradient with NaN or inf says nothing of what compression loses.
         if measured is None or not all(math.isfinite(v) for v in measured.values()):
             return 0.0 if spec == own else math.inf
         return measured[spec]
@@ -358,9 +359,9 @@ class AutoState(SyncState):
         if bucket.buffer().is_sparse or not lossy_specs(self.config):
             return
         params = [self._param_index[id(p)] for p in bucket.parameters()]
-        measured = error_levels(dict(zip(params, bucket.gradients(), strict=True)), self.config)
-        # A gradient with NaN or inf (an AMP overflow step) says nothing of what compression loses.
-        self._errors.update({p: e for p, e in measured.items() if all(map(math.isfinite, e.values()))})
+        # A gradient with NaN or inf (an AMP overflow step) is kept as measured: budget() gives it
+        # the config's own level, as a gradient that was not measured.
+        self._errors.update(error_levels(dict(zip(params, bucket.gradients(), strict=True)), self.config))
 
     def _make_candidates(self, steps: Sequence[int]) -> None:
         comm = self._comm()
