@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import profile, workloads
 from ..comm import TorchComm
 from . import strategies
-from .rank import serve
+from .rank import leave, serve
 
 
 def main(spec_path: str) -> int:
@@ -88,4 +88,4 @@ def _say(rank: int, event: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    leave(main(sys.argv[1]))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..comm import TorchComm, allgather_object
 from ..sparse import SparseResult, exchange
 from ..sparse.select import calibrate
-from .rank import serve
+from .rank import leave, serve
 from .sparse_inputs import Source, parse_input
 from .sparse_schemes import ATOL_SCALE, RTOL, base_scheme, partition_for
 from .worker import TxCounter
@@ -170,9 +170,4 @@ def _crc(*tensors: torch.Tensor) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1])
-    # Skip the interpreter's teardown: with torch and gloo loaded it can abort ("terminate called
-    # without an active exception") after the work is done; nothing is left to clean up.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main(sys.argv[1]))

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import tuner, workloads
 from . import strategies
-from .rank import serve
+from .rank import leave, serve
 from .train import last_quarter_fall
 
 
@@ -203,4 +203,4 @@ def _mean_over_ranks(value: float | None) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    leave(main(sys.argv[1]))
