@@ -8,7 +8,7 @@ gradients are averaged: plain DDP, PyTorch's own communication hooks, or gradsyn
 settings a user would write first. `gradsync bench script` runs it on emulated hosts and compares.
 
 Rank 0 prints one JSON line per step ({"step", "step_s", "loss"}) and, with --json, writes the
-run's step times and held-out losses there.
+run's step times, its CPU time per step (every thread of rank 0's process) and held-out losses there.
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ def main() -> None:
             loss = loss_fn(model.module(heldout[0]), heldout[1]).item()
         return {"step": step, "wall_s": wall_s, "heldout_loss": loss}
 
-    step_s, evals, wall_s = [], [evaluate(0, 0.0)], 0.0
+    step_s, cpu_s, evals, wall_s = [], [], [evaluate(0, 0.0)], 0.0
     dist.barrier()
     for step in range(args.steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         inputs, labels = samples(BATCH, data, means)
         loss = loss_fn(model(inputs), labels)
         optimizer.zero_grad(set_to_none=True)
@@ -125,6 +125,7 @@ def main() -> None:
         optimizer.step()
         elapsed = time.perf_counter() - started
         step_s.append(elapsed)
+        cpu_s.append(time.process_time() - cpu_started)  # this process's threads: compute, hook, comms
         wall_s += elapsed
         if rank == 0:
             print(json.dumps({"step": step + 1, "step_s": elapsed, "loss": loss.item()}), flush=True)
@@ -134,7 +135,14 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         with open(args.json, "w") as out:
             json.dump(
-                {"sync": args.sync, "world_size": world, "params": params, "step_s": step_s, "evals": evals},
+                {
+                    "sync": args.sync,
+                    "world_size": world,
+                    "params": params,
+                    "step_s": step_s,
+                    "cpu_s": cpu_s,
+                    "evals": evals,
+                },
                 out,
             )
     dist.destroy_process_group()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gradsync.bench import script
@@ -34,6 +36,30 @@ def test_medians_speed_ups_and_the_planning_steps() -> None:
     assert runs["gradsync"]["vs_torch-fp16"] == pytest.approx(0.9 / 0.45)
     assert runs["gradsync-auto"]["planning_p90_s"] == pytest.approx(0.6)  # its planning steps only
     assert runs["ddp"]["planning_p90_s"] is None
+
+
+def test_cpu_per_step_is_the_median_after_warm_up_where_the_script_records_it() -> None:
+    steady_from = script.ScriptOptions().steady_from
+    # Warm-up steps cost far more CPU; the steady ones alternate 0.1 and 0.3 s, over two rounds.
+    cpu = [[5.0] * steady_from + [0.1, 0.3] * ((STEPS - steady_from) // 2)] * 2
+    raw = {"ddp": [[1.0] * STEPS] * 2, "gradsync": [[0.5] * STEPS] * 2}
+    options = script.ScriptOptions(steps=STEPS)
+    meta = {
+        "network": {"description": "test"},
+        "params": 1,
+        "options": dataclasses.asdict(options),
+        "machine": {"cores": 2, "torch": "2"},
+        "commit": "0" * 40,
+        "dirty": False,
+        "date": "today",
+    }
+    doc = script.summarize(raw, meta, options, {"ddp": [], "gradsync": cpu})
+    runs = {r["sync"]: r for r in doc["runs"]}
+    assert runs["gradsync"]["cpu_median_s"] == pytest.approx(0.2)
+    assert runs["ddp"]["cpu_median_s"] is None  # a script that does not record it
+    cells = [line.split("|") for line in script.table(doc).splitlines() if line.startswith("| ")]
+    rows = {cell[1].strip(): cell[-2].strip() for cell in cells}
+    assert (rows["gradsync"], rows["ddp"]) == ("0.200", "-")
 
 
 def test_slow_network_goals_are_judged_against_ddp_and_torchs_hooks() -> None:

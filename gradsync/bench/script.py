@@ -6,7 +6,9 @@ PyTorch communication hook or for gradsync with the settings written first. Each
 steps from the same seeds; `repeats` rounds run every way in turn (A B C, A B C), so that drift in
 the machine's load lands on all of them alike. The document holds every step's time; the table
 gives each way's median step after warm-up, its p90 and its speed-up against DDP and torch's fp16
-hook, and `targets` checks the runtime's goals against them.
+hook, and `targets` checks the runtime's goals against them. Where the script records it (`cpu_s`,
+as examples/train.py does), the CPU time rank 0's process spent per step, every thread counted:
+what a way costs the machine, which on hosts that share cores is part of its step time.
 """
 
 from __future__ import annotations
@@ -74,12 +76,15 @@ class ScriptOptions:
 def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Every way, `repeats` times in turn; the document of every step's time (see summarize)."""
     raw: dict[str, list[list[float]]] = {sync: [] for sync in options.syncs}
+    cpu: dict[str, list[list[float]]] = {sync: [] for sync in options.syncs}
     params = None
     with tempfile.TemporaryDirectory(prefix="gradsync-script-") as tmp:
         for round_ in range(options.repeats):
             for sync in options.syncs:
                 found = _run_one(options, network, sync, Path(tmp) / f"{sync}-{round_}")
                 raw[sync].append(found["step_s"])
+                if "cpu_s" in found:
+                    cpu[sync].append(found["cpu_s"])
                 params = found["params"]
                 steady = found["step_s"][options.steady_from :]
                 say(f"{sync} (round {round_ + 1}): median step {statistics.median(steady):.3f} s")
@@ -89,7 +94,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
         "network": network.to_dict(),
         "params": params,
     }
-    return summarize(raw, meta, options)
+    return summarize(raw, meta, options, cpu)
 
 
 def _run_one(options: ScriptOptions, network: Network, sync: str, stem: Path) -> dict[str, Any]:
@@ -102,13 +107,18 @@ def _run_one(options: ScriptOptions, network: Network, sync: str, stem: Path) ->
 
 
 def summarize(
-    raw: dict[str, list[list[float]]], meta: dict[str, Any], options: ScriptOptions
+    raw: dict[str, list[list[float]]],
+    meta: dict[str, Any],
+    options: ScriptOptions,
+    cpu: dict[str, list[list[float]]] | None = None,
 ) -> dict[str, Any]:
     """Per way: the median and p90 step after steady_from, over every round; the median of the
-    first FIRST_STEPS steps; and the p90 of plan="auto"'s planning steps. Pure."""
+    first FIRST_STEPS steps; the p90 of plan="auto"'s planning steps; and, where `cpu` holds rank
+    0's CPU seconds of each step, their median after steady_from (else None). Pure."""
     runs = []
     for sync, rounds in raw.items():
         steady = [s for steps in rounds for s in steps[options.steady_from :]]
+        cpu_steady = [s for steps in (cpu or {}).get(sync, []) for s in steps[options.steady_from :]]
         first = [s for steps in rounds for s in steps[:FIRST_STEPS]]
         planning = [s for steps in rounds for s in steps[1:AUTO_PLANNING_STEPS]]  # step 0: start-up
         runs.append(
@@ -119,6 +129,7 @@ def summarize(
                 "p90_s": quantile(steady, 0.9),
                 "first_median_s": statistics.median(first),
                 "planning_p90_s": quantile(planning, 0.9) if sync == "gradsync-auto" else None,
+                "cpu_median_s": statistics.median(cpu_steady) if cpu_steady else None,
             }
         )
     by_sync = {r["sync"]: r for r in runs}
@@ -186,13 +197,16 @@ def targets(document: dict[str, Any]) -> list[tuple[str, str, bool]]:
 def table(document: dict[str, Any]) -> str:
     """The ways as a Markdown table, the goals met or missed, and the conditions."""
     lines = [
-        "| way | median step (s) | p90 (s) | vs DDP | vs torch fp16 | first 60 steps, median (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| way | median step (s) | p90 (s) | vs DDP | vs torch fp16 | first 60 steps, median (s) "
+        "| CPU per step, rank 0 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in document["runs"]:
+        cpu = r.get("cpu_median_s")
         lines.append(
             f"| {r['sync']} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {_times(r['vs_ddp'])} | "
-            f"{_times(r['vs_torch-fp16'])} | {r['first_median_s']:.3f} |"
+            f"{_times(r['vs_torch-fp16'])} | {r['first_median_s']:.3f} | "
+            f"{'-' if cpu is None else f'{cpu:.3f}'} |"
         )
     goals = targets(document)
     if goals:
@@ -209,7 +223,9 @@ def conditions(document: dict[str, Any]) -> str:
     return (
         f"`{options['script']}` ({meta['params'] / 1e6:.1f}M parameters), {options['world_size']} ranks "
         f"of one torch thread, {options['steps']} steps, {options['repeats']} round(s) of every way in turn; "
-        f"medians over the steps from step {options['steady_from']} on. Network: {network['description']}"
+        f"medians over the steps from step {options['steady_from']} on; CPU: the time every thread "
+        "of rank 0's process spent per step (compute, hook, communication library). "
+        f"Network: {network['description']}"
         f"{probe}. Machine: {meta['machine']['cores']} cores shared by all ranks (CPU work weighs "
         f"more than on real hosts), torch {meta['machine']['torch']}; commit {meta['commit'][:12]}"
         f"{' (with uncommitted changes)' if meta['dirty'] else ''}, {meta['date']}."
