@@ -83,8 +83,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
             for sync in options.syncs:
                 found = _run_one(options, network, sync, Path(tmp) / f"{sync}-{round_}")
                 raw[sync].append(found["step_s"])
-                if "cpu_s" in found:
-                    cpu[sync].append(found["cpu_s"])
+                cpu[sync].append(found.get("cpu_s", []))  # a script may not record it
                 params = found["params"]
                 steady = found["step_s"][options.steady_from :]
                 say(f"{sync} (round {round_ + 1}): median step {statistics.median(steady):.3f} s")
@@ -202,11 +201,9 @@ def table(document: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in document["runs"]:
-        cpu = r.get("cpu_median_s")
         lines.append(
             f"| {r['sync']} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {_times(r['vs_ddp'])} | "
-            f"{_times(r['vs_torch-fp16'])} | {r['first_median_s']:.3f} | "
-            f"{'-' if cpu is None else f'{cpu:.3f}'} |"
+            f"{_times(r['vs_torch-fp16'])} | {r['first_median_s']:.3f} | {_seconds(r.get('cpu_median_s'))} |"
         )
     goals = targets(document)
     if goals:
@@ -238,3 +235,7 @@ def write(document: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
