@@ -33,7 +33,7 @@ which order, which every rank must agree on, reads in one place. Frames are grad
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from torch.futures import Future
 
 from .comm import Comm, Lane, allgather_sent_nbytes, allgather_sizes, allreduce_sent_nbytes, completed, then
 from .compress import Compressor, Payload
+from .feedback import Corrected, Local, RemoveLocal
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
 from .strategy import shards, sums
@@ -56,9 +57,6 @@ from .wire import (
     unpack_bits,
     unpack_fields,
 )
-
-Local = Callable[[], torch.Tensor]
-RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -123,6 +121,7 @@ def start(
     guard: bool = True,
     shard_error: torch.Tensor | None = None,
     divisor: int = 1,
+    corrected: Corrected | None = None,
 ) -> Future[Exchanged]:
     """Compress `x`, exchange the payload as `collective` (or, for a sparsifier, by sparse `scheme`)
     and return a future of the decoded sum. By default the collective is the codec's own (as in
@@ -139,6 +138,10 @@ def start(
     its shard (shard_bounds), updated in place when the step is finite; None: no memory.
     `divisor`: `x` is not yet divided by it (the world size) and nothing was added to it: the codec
     divides as it compresses (Compressor.compress_mean), and `x` may be left divided.
+    `corrected` (two-shot, a codec that fuses_feedback, `finite`): `x` is a buffer not yet written;
+    the codec computes x = base + alpha * g shard by shard as it encodes and leaves x - its decoded
+    payload in x (Compressor.compress_corrected), so the result's remove_local_(x) has nothing left
+    to subtract: residual error feedback in one pass instead of three.
     """
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
@@ -158,12 +161,17 @@ def start(
             "without a vote can have a shard's sum encoded again by its owner; leave the collective "
             "to the codec"
         )
+    if corrected is not None and not (collective == "two-shot" and kind.fuses_feedback and finite):
+        raise ValueError(
+            f"corrected given for {kind.__name__} by {collective} (finite={finite}): only a finite "
+            "two-shot exchange by a codec that fuses_feedback computes its input as it encodes"
+        )
     fused = collective == "allreduce" and kind.rounds == 1 and not kind.majority_vote and scheme is None
     if divisor != 1 and not fused:  # only a plain allreduce's one compress divides as it goes
         x, divisor = x.div_(divisor), 1
     source = x if finite else torch.zeros_like(x)
     if collective == "two-shot":
-        program = lambda: _two_shot(codec, source, route.comm, finite, out, shard_error)  # noqa: E731
+        program = lambda: _two_shot(codec, source, route.comm, finite, out, shard_error, corrected)  # noqa: E731
         return route.lane.run(program, blocking=True, device=x.device)
     if kind.rounds > 1:
         program = lambda: _rounds(codec, source, route.comm, finite, out)  # noqa: E731
@@ -463,13 +471,16 @@ def _two_shot(
     finite: bool,
     out: torch.Tensor | None,
     shard_error: torch.Tensor | None,
+    corrected: Corrected | None = None,
 ) -> Future[Exchanged]:
     """Every shard encoded and sent to its owner; the owners' sums encoded again and allgathered.
     Waits for the all_to_all before it can encode the sum: runs on the lane's thread."""
     clock = _Clock()
     mine = comm.rank
     bounds = shard_bounds(x.numel(), comm.world_size)
-    summed, ok, frames, layouts, ctxs, payloads = _to_owners(codec, x.view(-1), comm, bounds, finite, clock)
+    summed, ok, frames, layouts, ctxs, payloads = _to_owners(
+        codec, x.view(-1), comm, bounds, finite, clock, corrected
+    )
     if ok and shard_error is not None and comm.world_size > 1:
         summed.add_(shard_error)
     alone = comm.world_size == 1  # a shard of one rank's payload: forwarded as it is, not re-encoded
@@ -504,6 +515,8 @@ def _two_shot(
             codec.decompress_into(total.view(-1)[lo:hi], shard_sum, shard_ctx)
         clock.lap("decompress")
         local, subtract = _own_decoded(codec, frames, layouts, ctxs, bounds, x)
+        if corrected is not None:
+            subtract = _already_subtracted(x)
         return Exchanged("two-shot", None, total, local, True, payload_nbytes, sent, clock.seconds, subtract)
 
     return then(comm.allgather(frame), done, frame.device)
@@ -579,14 +592,20 @@ def _to_owners(
     bounds: list[tuple[int, int]],
     finite: bool,
     clock: _Clock,
+    corrected: Corrected | None = None,
 ) -> tuple[torch.Tensor, bool, list[torch.Tensor], list[Any], list[object], list[Payload]]:
     """Each shard of `flat` encoded and sent to its owner by one all_to_all; the owner's sum of the
     decoded shards it received (zero where any was not finite), whether all were finite, and this
-    rank's frames, payload layouts, contexts and the payloads received."""
+    rank's frames, payload layouts, contexts and the payloads received. `corrected`: `flat` is
+    computed as it is encoded (start's argument)."""
     mine = comm.rank
     frames, layouts, ctxs = [], [], []
     for start, end in bounds:  # framing copies each payload before the next compress can reuse scratch
-        payload, ctx = codec.compress(flat[start:end])
+        if corrected is None:
+            payload, ctx = codec.compress(flat[start:end])
+        else:
+            g, base = (t.view(-1)[start:end] for t in (corrected.g, corrected.base))
+            payload, ctx = codec.compress_corrected(g, base, corrected.alpha, flat[start:end])
         frames.append(framed([t.reshape(-1).view(torch.uint8) for t in payload], finite))
         layouts.append([(t.dtype, t.shape) for t in payload])
         ctxs.append(ctx)
@@ -605,6 +624,17 @@ def _to_owners(
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def _already_subtracted(x: torch.Tensor) -> RemoveLocal:
+    """remove_local_ where the codec left x - local() in x as it encoded (`corrected`)."""
+
+    def subtract(t: torch.Tensor) -> torch.Tensor:
+        if t is not x:
+            raise ValueError("the residual was computed into the compressed tensor itself; only it has it")
+        return t
+
+    return subtract
 
 
 def _local(codec: Compressor, payload: Payload, ctx: object) -> Local:

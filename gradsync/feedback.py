@@ -14,18 +14,22 @@ that declares reads_gradient False may find `g` overwritten by then (the hook de
 into it). The caller calls `update` only for steps whose gradients were finite on every rank,
 so non-finite values never enter a memory; a point's steps run one after the other.
 
-`prepare` may be given a non-finite `g` (where the codec's payload shows it, the hook does not
-look first: Compressor.reveals_nonfinite), so it must leave every memory untouched: it writes
-only spares, and `update` alone changes state. `prepare` returns `g` itself or a tensor that
-shares no memory with `g`. It divides by the world
-size n where that costs nothing extra: residual feedback writes e + g / n straight into its spare
+Residual feedback can also `defer` p to a codec that computes it as it encodes and leaves the
+residual in p's buffer (Compressor.compress_corrected): one pass instead of three; `update` then
+finds the residual there.
+
+`prepare` (and `defer`) may be given a non-finite `g` (where the codec's payload shows it, the
+hook does not look first: Compressor.reveals_nonfinite), so it must leave every memory
+untouched: it writes only spares, and `update` alone changes state. `prepare` returns `g` itself
+or a tensor that shares no memory with `g`. It divides by the world size n where that costs
+nothing extra: residual feedback writes e + g / n straight into its spare
 buffer and leaves `g` alone; the others divide `g` in place first (they read it in update).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -34,6 +38,15 @@ from .compress.base import check_real
 
 Local = Callable[[], torch.Tensor]
 RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Corrected(NamedTuple):
+    """A tensor given by how to compute it, base + alpha * g: residual error feedback's p, its
+    memory `base` and this rank's share alpha = 1 / world size of the gradient `g`."""
+
+    g: torch.Tensor
+    base: torch.Tensor
+    alpha: float
 
 
 class Feedback:
@@ -48,6 +61,12 @@ class Feedback:
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         return g.div_(world_size) if world_size != 1 else g
+
+    def defer(self, g: torch.Tensor, world_size: int = 1) -> tuple[torch.Tensor, Corrected] | None:
+        """prepare's p left for a codec that fuses feedback to compute as it encodes: the buffer p
+        will be written into, and how (Compressor.compress_corrected). The codec leaves p - decoded
+        there, which update then finds. None where this form cannot defer (all but residual)."""
+        return None
 
     def update(
         self,
@@ -120,12 +139,15 @@ class ErrorFeedback(Feedback):
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         error = self._memory("error", g)
-        spare = self._spare
-        if spare is None or spare.shape != g.shape or spare.dtype != g.dtype or spare.device != g.device:
-            spare = self._spare = torch.empty_like(g)
+        spare = self._spare = _spare_like(self._spare, g)
         if world_size == 1:
             return torch.add(g, error, out=spare)
         return torch.add(error, g, alpha=1 / world_size, out=spare)  # one pass: e + g / n
+
+    def defer(self, g: torch.Tensor, world_size: int = 1) -> tuple[torch.Tensor, Corrected] | None:
+        # The same p as prepare's (torch.add with alpha 1 adds exactly), in the same spare.
+        self._spare = _spare_like(self._spare, g)
+        return self._spare, Corrected(g, self._memory("error", g), 1 / world_size)
 
     def update(
         self,
@@ -241,6 +263,9 @@ class MomentumCorrection(ErrorFeedback):
         self.applied: torch.Tensor | None = None  # D_prev: what the optimizer's buffer holds
         self._velocity_spare: torch.Tensor | None = None
         self._applied_spare: torch.Tensor | None = None
+
+    def defer(self, g: torch.Tensor, world_size: int = 1) -> tuple[torch.Tensor, Corrected] | None:
+        return None  # p adds the velocity, which prepare computes first
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         # Written into spares: the memories stay untouched until update, so a skipped step leaves

@@ -336,7 +336,14 @@ class SyncState:
         # Where nothing is added, the codec takes x itself and divides as it compresses (a cast
         # in one pass, not two).
         divisor = comm.world_size if type(point.feedback) is feedback.NoFeedback and not self._carry else 1
-        p = point.feedback.prepare(x, comm.world_size) if finite and divisor == 1 else x
+        # Residual feedback's add, the encode and the residual in one pass, where the codec can
+        # (int8, int4 by two-shot): p is computed as it is encoded.
+        fuse = strategy.collective == "two-shot" and type(point.codec).fuses_feedback and not self._carry
+        deferred = point.feedback.defer(x, comm.world_size) if finite and fuse else None
+        if deferred is not None:
+            p, corrected = deferred
+        else:
+            p, corrected = point.feedback.prepare(x, comm.world_size) if finite and divisor == 1 else x, None
         self._add_carried(p, params)
         # The sum is decoded into `x`, as PyTorch's own hooks return the bucket they were given (a
         # fresh full-size tensor costs as much in page faults as a copy), wherever nothing reads `x`
@@ -357,6 +364,7 @@ class SyncState:
             guard=guard,
             shard_error=point.shard_memory(x, comm.rank, comm.world_size) if second else None,
             divisor=divisor,
+            corrected=corrected,
         )
 
         def finish(result: exchange.Exchanged) -> torch.Tensor:

@@ -277,6 +277,22 @@ def test_sync_outputs_are_bit_identical_to_the_reference_path(name: str, args: d
         assert same_bits(out, expected)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_sync_with_ef_leaves_the_add_and_the_residual_to_a_codec_that_fuses_them(name, monkeypatch) -> None:
+    # The outputs are checked against the formulas above; here, that the fused pass is what ran.
+    config = SyncConfig(compressor=name, error_feedback="ef", warmup_steps=2, min_compress_numel=0)
+    state = past_warmup(config)
+    codec = type(compress.build(name))
+
+    def unfused(self, x):
+        raise AssertionError("compressed by the three-pass path")
+
+    monkeypatch.setattr(codec, "compress", unfused)
+    for g in gradients(2, 600):
+        state.sync(g.clone(), 0, True).wait()
+    assert state.stats()["total"]["compressed_groups"] == 2
+
+
 @pytest.mark.parametrize("form", ["ef", "none"])
 def test_sync_decodes_the_allgathered_sum_into_the_bucket_where_nothing_reads_it_after(form: str) -> None:
     # With ef the bucket is not what was compressed (p is); without feedback nothing decodes this
@@ -310,6 +326,14 @@ def test_exchange_refuses_an_out_unlike_x() -> None:
     x = torch.randn(10)
     with pytest.raises(ValueError, match="must match x"):
         exchange.start(compress.build("topk"), x, Route(LocalComm()), out=torch.empty(11))
+
+
+@pytest.mark.parametrize(("name", "collective"), [("int4", "allgather"), ("qsgd", "two-shot")])
+def test_exchange_refuses_a_corrected_input_where_the_codec_does_not_compute_it(name, collective) -> None:
+    x = torch.empty(10)
+    corrected = feedback.Corrected(torch.randn(10), torch.zeros(10), 1.0)
+    with pytest.raises(ValueError, match="fuses_feedback"):
+        exchange.start(compress.build(name), x, Route(LocalComm()), collective, corrected=corrected)
 
 
 # -- sparse selection -------------------------------------------------------------------------------

@@ -84,6 +84,28 @@ def test_absmax_encode_and_every_decode_give_the_torch_ops_bits(name, block, num
         assert torch.equal(bits(fast_out), bits(slow_out)), method
 
 
+@pytest.mark.parametrize("name,block", [("int8", 256), ("int8", 3), ("int4", 128), ("int4", 2)])
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("alpha", [1.0, 0.25, 1 / 3])
+def test_compress_corrected_is_the_add_the_encode_and_the_residual_bit_for_bit(name, block, numel, alpha):
+    # Error feedback's three passes, fused: p = base + alpha * g as torch.add rounds it (once), the
+    # payload of p, and p - decoded(payload) left in out.
+    codec = build(name, block_size=block)
+    g, base = gradient(numel, seed=numel), gradient(numel, seed=numel + 1) * 0.1
+    p = torch.add(base, g, alpha=alpha)
+    (payload, ctx), residual = codec.compress(p), p.clone()
+    codec.sub_decoded_(residual, payload, ctx)
+
+    def corrected():
+        out = torch.full_like(g, 9.0)
+        return codec.compress_corrected(g, base, alpha, out), out
+
+    for (got, got_ctx), out in both_ways(corrected):
+        assert got_ctx == ctx
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, payload, strict=True))
+        assert torch.equal(bits(out), bits(residual))
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_non_finite_entry_makes_its_blocks_scale_non_finite_both_ways(name, bad):
@@ -170,9 +192,11 @@ def test_large_tensors_cut_over_torchs_threads_give_one_calls_bits():
         payload, ctx = codec.compress(x)
         out = torch.ones_like(x)
         codec.add_decoded_(out, payload, ctx)
+        residual = torch.empty_like(x)
+        corrected, _ = codec.compress_corrected(x, out, 1 / 3, residual)
         half = torch.empty(x.numel(), dtype=torch.float16)
         native.cast_mean(x, 3, half)
-        return [*payload, out, half, magnitude_at_least(x, 1.5, expected=100)]
+        return [*payload, out, *corrected, residual, half, magnitude_at_least(x, 1.5, expected=100)]
 
     before = torch.get_num_threads()
     try:

@@ -32,6 +32,7 @@ class Int8(Compressor):
 
     bits: ClassVar[int] = 8
     reveals_nonfinite = True  # a block's scale is NaN or inf where the block holds one
+    fuses_feedback = True
 
     def __init__(self, block_size: int = 256) -> None:
         self.block_size = check_int("block_size", block_size, 1, 2**31 - 1, why="entries per scale")
@@ -44,9 +45,7 @@ class Int8(Compressor):
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)
         if flat.dtype == torch.float32 and self._native(flat):  # the same bits in one pass (native.c)
-            code_dtype = torch.int8 if self.bits == 8 else torch.uint8  # as _pack makes them
-            packed = torch.empty(packed_nbytes(flat.numel(), self.bits), dtype=code_dtype)
-            scales = torch.empty(-(-flat.numel() // self.block_size), dtype=torch.float32)
+            packed, scales = self._empty_payload(flat.numel())
             native.absmax_encode(flat, self.block_size, self.bits, packed, scales)
             return (packed, scales), (x.shape, x.dtype)
         rows = padded_rows(flat, self.block_size, f"int{self.bits}")
@@ -60,6 +59,28 @@ class Int8(Compressor):
         levels = self.levels()
         codes = rows.div_(divisor.unsqueeze(1)).round_().clamp_(-levels, levels).view(-1)[: flat.numel()]
         return (self._pack(codes), scales), (x.shape, x.dtype)
+
+    def compress_corrected(
+        self, g: torch.Tensor, base: torch.Tensor, alpha: float, out: torch.Tensor
+    ) -> tuple[Payload, Any]:
+        tensors = (g, base, out)
+        if all(t.dtype == torch.float32 for t in tensors) and self._native(*tensors):
+            packed, scales = self._empty_payload(g.numel())
+            flat_g, flat_base, flat_out = (t.view(-1) for t in tensors)
+            native.absmax_encode_corrected(
+                flat_g, flat_base, alpha, self.block_size, self.bits, packed, scales, flat_out
+            )
+            return (packed, scales), (out.shape, out.dtype)
+        # The same bits in three passes: torch.add with alpha rounds once, as native.c's fmaf.
+        payload, ctx = self.compress(torch.add(base, g, alpha=alpha, out=out))
+        self.sub_decoded_(out, payload, ctx)
+        return payload, ctx
+
+    def _empty_payload(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales for a float32 tensor of `numel` entries, as the torch path makes them."""
+        code_dtype = torch.int8 if self.bits == 8 else torch.uint8  # as _pack makes them
+        packed = torch.empty(packed_nbytes(numel, self.bits), dtype=code_dtype)
+        return packed, torch.empty(-(-numel // self.block_size), dtype=torch.float32)
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
         return codes.to(torch.int8)

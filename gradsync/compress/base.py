@@ -41,6 +41,9 @@ class Compressor:
                  absmax's block scale), and the codec keeps no state: the exchange, which checks
                  every payload or sum it decodes, finds such a step, so the hook does not read
                  the input a second time to look for one.
+      fuses_feedback  compress_corrected encodes base + alpha * g and leaves what it lost in
+                 the caller's buffer in one pass: residual error feedback's add, encode and
+                 residual, otherwise three full-size passes (absmax's int8 and int4).
       majority_vote  the payload is one sign bit per element, and ranks combine by majority
                  vote, sign(sum of signs), instead of a sum (signSGD, Signum). The result is a
                  unit step per element, not an estimate of the gradient, so error feedback
@@ -61,6 +64,7 @@ class Compressor:
     sparse_rows: ClassVar[bool] = False
     preserves_nonfinite: ClassVar[bool] = False
     reveals_nonfinite: ClassVar[bool] = False
+    fuses_feedback: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")
@@ -70,6 +74,14 @@ class Compressor:
         to it. `x` may be left divided; its values are the caller's to overwrite. Casts fuse the
         division into their one pass."""
         return self.compress(x.div_(world_size) if world_size != 1 else x)
+
+    def compress_corrected(
+        self, g: torch.Tensor, base: torch.Tensor, alpha: float, out: torch.Tensor
+    ) -> tuple[Payload, Any]:
+        """compress(p) for p = base + alpha * g, computed into `out` (shaped like g), which is left
+        holding p - decompress(payload): what residual error feedback keeps (base its memory,
+        alpha 1 / world size). Only codecs that declare fuses_feedback have it."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse error feedback (fuses_feedback)")
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement decompress")

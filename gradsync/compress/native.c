@@ -20,8 +20,9 @@
 #endif
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-/* One clone for AVX2 machines, one for any x86-64; the loader picks at run time. */
-#define GS_CLONES __attribute__((target_clones("avx2", "default")))
+/* One clone for AVX-512 machines, one for AVX2 ones (with FMA, which fmaf needs to be one
+ * instruction), one for any x86-64; the loader picks at run time. */
+#define GS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define GS_CLONES
 #endif
@@ -98,6 +99,51 @@ void gs_absmax_encode(const float *restrict x, int64_t numel, int64_t block, int
                 out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
             if (count & 1)
                 out[pairs] = codes[count - 1];
+        }
+    }
+}
+
+/* Error feedback's add, the encode and the residual in one pass: p = base + alpha * g (one
+ * rounding, as torch.add(base, g, alpha=alpha) computes it with a fused multiply-add), encoded as
+ * gs_absmax_encode encodes p, and out = p - decoded, as gs_absmax_decode's mode 2 subtracts it.
+ * Each block's p is written to `out` and read back while it is in cache, so each full-size array
+ * is read or written once: g and base read, out and the codes written. */
+GS_CLONES
+void gs_absmax_encode_corrected(const float *restrict g, const float *restrict base, float alpha, int64_t numel,
+                                int64_t block, int32_t bits, uint8_t *restrict packed, float *restrict scales,
+                                float *restrict out)
+{
+    const float levels = bits == 8 ? 127.0f : 7.0f;
+    float codes[GS_CHUNK];
+    for (int64_t start = 0, b = 0; start < numel; start += block, ++b) {
+        const int64_t end = start + block < numel ? start + block : numel;
+        for (int64_t i = start; i < end; ++i)
+            out[i] = fmaf(g[i], alpha, base[i]);
+        const float absmax = block_absmax(out + start, end - start);
+        const float scale = absmax / levels;
+        scales[b] = scale;
+        const float divisor = absmax > 0.0f ? scale : 1.0f;
+        for (int64_t at = start; at < end; at += GS_CHUNK) {
+            const int64_t count = end - at < GS_CHUNK ? end - at : GS_CHUNK;
+            float *restrict p = out + at;
+            for (int64_t i = 0; i < count; ++i) {
+                /* + 0.0f: a code of -0 is stored as 0 and decodes to +0, not -0 (p == 0 then
+                 * keeps the decoder's residual's sign). Decoded: code * scale, rounded once. */
+                codes[i] = code_of(p[i] / divisor, levels) + 0.0f;
+                p[i] = p[i] - codes[i] * scale;
+            }
+            if (bits == 8) {
+                int8_t *restrict to = (int8_t *)packed + at;
+                for (int64_t i = 0; i < count; ++i)
+                    to[i] = (int8_t)codes[i];
+                continue;
+            }
+            uint8_t *restrict to = packed + (at >> 1);
+            const int64_t pairs = count >> 1;
+            for (int64_t j = 0; j < pairs; ++j)
+                to[j] = (uint8_t)((int32_t)(codes[2 * j] + levels) | ((int32_t)(codes[2 * j + 1] + levels) << 4));
+            if (count & 1)
+                to[pairs] = (uint8_t)(int32_t)(codes[count - 1] + levels);
         }
     }
 }

@@ -66,6 +66,7 @@ _pool_size = 0
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "gs_absmax_encode": (None, [_ptr, _i64, _i64, _i32, _ptr, _ptr]),
+    "gs_absmax_encode_corrected": (None, [_ptr, _ptr, _f32, _i64, _i64, _i32, _ptr, _ptr, _ptr]),
     "gs_absmax_decode": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i32, _i32]),
     "gs_at_least": (_i64, [_ptr, _i64, _f32, _ptr, _i64]),
     "gs_cast_mean": (None, [_ptr, _i64, _f32, _i32, _ptr]),
@@ -106,6 +107,37 @@ def absmax_encode(x: torch.Tensor, block: int, bits: int, packed: torch.Tensor, 
         )
 
     _in_pieces(x.numel(), block, piece)
+
+
+def absmax_encode_corrected(
+    g: torch.Tensor,
+    base: torch.Tensor,
+    alpha: float,
+    block: int,
+    bits: int,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """absmax_encode of p = base + alpha * g (float32, one rounding, as torch.add with alpha),
+    leaving p - decoded in float32 `out`: error feedback's add and residual fused into the encode."""
+    assert bits in (4, 8) and (bits == 8 or block % 2 == 0), (bits, block)
+
+    def piece(lo: int, hi: int) -> None:
+        _call(
+            "gs_absmax_encode_corrected",
+            g.data_ptr() + 4 * lo,
+            base.data_ptr() + 4 * lo,
+            alpha,
+            hi - lo,
+            block,
+            bits,
+            packed.data_ptr() + lo * bits // 8,
+            scales.data_ptr() + 4 * (lo // block),
+            out.data_ptr() + 4 * lo,
+        )
+
+    _in_pieces(g.numel(), block, piece)
 
 
 def absmax_decode(
