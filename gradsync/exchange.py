@@ -481,20 +481,25 @@ def _two_shot(
     summed, ok, frames, layouts, ctxs, payloads = _to_owners(
         codec, x.view(-1), comm, bounds, finite, clock, corrected
     )
-    if ok and shard_error is not None and comm.world_size > 1:
-        summed.add_(shard_error)
     alone = comm.world_size == 1  # a shard of one rank's payload: forwarded as it is, not re-encoded
+    # The second encoding's error memory is added to the sum, and its next value, the residual, is
+    # taken in `summed` itself (no fresh tensor) and kept only once every owner's payload is known
+    # finite. A codec that fuses feedback does the add, the encode and the residual in one pass.
+    fused = ok and not alone and shard_error is not None and type(codec).fuses_feedback
     if alone:
         payload = payloads[0]
+    elif fused:
+        payload, ctx = codec.compress_corrected(summed, shard_error, 1.0, summed)
     else:
+        if ok and shard_error is not None:
+            summed.add_(shard_error)
         payload, ctx = codec.compress(summed)  # zeros where a rank was not finite: streams in step
     nbytes = [sum(layout_nbytes(layout)) for layout in layouts]
     frame = framed([t.reshape(-1).view(torch.uint8) for t in payload], ok)  # a copy of the payload
-    # The memory's next value, summed - decoded in place (no fresh tensors; after framing, since
-    # a payload may be a view of summed); kept only once every owner's payload is known finite.
     residual = None
     if not alone and shard_error is not None:
-        codec.sub_decoded_(summed, payload, ctx)
+        if not fused:  # after framing: a payload may be a view of summed
+            codec.sub_decoded_(summed, payload, ctx)
         residual = summed
     frame = torch.cat([frame, frame.new_zeros(max(nbytes) + 1 - frame.numel())])  # equal frames
     clock.lap("compress")

@@ -78,9 +78,9 @@ class Compressor:
     def compress_corrected(
         self, g: torch.Tensor, base: torch.Tensor, alpha: float, out: torch.Tensor
     ) -> tuple[Payload, Any]:
-        """compress(p) for p = base + alpha * g, computed into `out` (shaped like g), which is left
-        holding p - decompress(payload): what residual error feedback keeps (base its memory,
-        alpha 1 / world size). Only codecs that declare fuses_feedback have it."""
+        """compress(p) for p = base + alpha * g, computed into `out` (shaped like g; it may be g
+        itself), which is left holding p - decompress(payload): what residual error feedback keeps
+        (base its memory, alpha 1 / world size). Only codecs that declare fuses_feedback have it."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse error feedback (fuses_feedback)")
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:

@@ -107,11 +107,12 @@ void gs_absmax_encode(const float *restrict x, int64_t numel, int64_t block, int
  * rounding, as torch.add(base, g, alpha=alpha) computes it with a fused multiply-add), encoded as
  * gs_absmax_encode encodes p, and out = p - decoded, as gs_absmax_decode's mode 2 subtracts it.
  * Each block's p is written to `out` and read back while it is in cache, so each full-size array
- * is read or written once: g and base read, out and the codes written. */
+ * is read or written once: g and base read, out and the codes written. `out` may be `g` itself
+ * (not restrict: entry i is read before it is written). */
 GS_CLONES
-void gs_absmax_encode_corrected(const float *restrict g, const float *restrict base, float alpha, int64_t numel,
+void gs_absmax_encode_corrected(const float *g, const float *restrict base, float alpha, int64_t numel,
                                 int64_t block, int32_t bits, uint8_t *restrict packed, float *restrict scales,
-                                float *restrict out)
+                                float *out)
 {
     const float levels = bits == 8 ? 127.0f : 7.0f;
     float codes[GS_CHUNK];

@@ -21,6 +21,7 @@ from dist_harness import run_ranks
 from gradsync import compress, exchange
 from gradsync.comm import TorchComm
 from gradsync.exchange import Route
+from gradsync.feedback import Corrected
 
 NUM_RANKS = 4
 WORLD_SIZES = [2, 3, 4]
@@ -46,11 +47,20 @@ def _exchanges(rank: int, _: int) -> dict:
         # Error feedback on both encodings, as SyncState keeps it: p = x + e; e = p - local().
         lo, hi = exchange.shard_bounds(NUMEL, world)[rank]
         first, second, totals = torch.zeros(NUMEL), torch.zeros(hi - lo), []
+        # The same, with p computed as it is encoded and the residual left in p (feedback.defer).
+        fused_first, fused_second, fused_totals = torch.zeros(NUMEL), torch.zeros(hi - lo), []
         for step in range(STEPS):
             p = rank_input(world, rank, step) + first
             result = exchange.start(codec, p, Route(comm), "two-shot", shard_error=second).wait()
             first = p - result.local()
             totals.append(result.total)
+            p = torch.empty(NUMEL)
+            corrected = Corrected(rank_input(world, rank, step), fused_first, 1.0)
+            result = exchange.start(
+                codec, p, Route(comm), "two-shot", shard_error=fused_second, corrected=corrected
+            ).wait()
+            fused_first = result.remove_local_(p)
+            fused_totals.append(result.total)
         out[world] = {
             "once": once.total,
             "sent": once.sent_nbytes,
@@ -58,6 +68,7 @@ def _exchanges(rank: int, _: int) -> dict:
             "totals": torch.stack(totals),
             "first": first,
             "second": second,
+            "fused": (torch.stack(fused_totals), fused_first, fused_second),
         }
     return out
 
@@ -100,6 +111,14 @@ def test_with_feedback_on_both_encodings_nothing_is_lost(runs: list[dict], world
     torch.testing.assert_close(sent + first + second, inputs, rtol=0, atol=1e-4)
     # The second memory holds something: without it, this sum would miss what it carries.
     assert float(second.abs().max()) > 0
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_feedback_fused_into_the_encodes_gives_the_same_bits(runs: list[dict], world: int) -> None:
+    for rank in range(world):
+        out = runs[rank][world]
+        for got, expected in zip(out["fused"], (out["totals"], out["first"], out["second"]), strict=True):
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), f"rank {rank}"
 
 
 @pytest.mark.parametrize("world", [3, 4])
