@@ -121,7 +121,7 @@ class TorchComm:
 
     def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Future[list[torch.Tensor]]:
         # One all_to_all_single over the concatenation, cut by split sizes: gloo has no list form.
-        send = torch.cat(parts)
+        send = _end_to_end(parts)
         recv = send.new_empty(sum(recv_numels))
         send_numels = [part.numel() for part in parts]
         work = dist.all_to_all_single(recv, send, recv_numels, send_numels, group=self.group, async_op=True)
@@ -141,6 +141,21 @@ class TorchComm:
         except RuntimeError as error:
             raise CollectiveError(_failed("sendrecv", send, error, f" with rank {peer}")) from error
         return recv
+
+
+def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The 1-D parts as one tensor: the buffer they already lie end to end in (slices of one send
+    buffer, as two-shot's frames), else their concatenation."""
+    first, after = parts[0], parts[0].data_ptr()
+    storage = first.untyped_storage().data_ptr()
+    for part in parts:
+        if part.numel() == 0:  # lies nowhere: its data_ptr may be anything
+            continue
+        same_buffer = part.untyped_storage().data_ptr() == storage and part.data_ptr() == after
+        if not (same_buffer and part.is_contiguous()):
+            return torch.cat(parts)
+        after += part.numel() * part.element_size()
+    return first.as_strided((sum(part.numel() for part in parts),), (1,))
 
 
 def _outcome(work: dist.Work, name: str, sent: torch.Tensor, value: Callable[[], Any]) -> Future:

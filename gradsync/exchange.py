@@ -49,6 +49,7 @@ from .strategy import shards, sums
 from .wire import (
     decode_indices,
     field_bits,
+    frame_into,
     framed,
     from_bytes,
     layout_nbytes,
@@ -478,8 +479,10 @@ def _two_shot(
     clock = _Clock()
     mine = comm.rank
     bounds = shard_bounds(x.numel(), comm.world_size)
+    # The owner's sum is built in its own shard of `out`, which the decoded total overwrites last.
+    into = out.view(-1)[slice(*bounds[mine])] if out is not None and comm.world_size > 1 else None
     summed, ok, frames, layouts, ctxs, payloads = _to_owners(
-        codec, x.view(-1), comm, bounds, finite, clock, corrected
+        codec, x.view(-1), comm, bounds, finite, clock, corrected, into
     )
     alone = comm.world_size == 1  # a shard of one rank's payload: forwarded as it is, not re-encoded
     # The second encoding's error memory is added to the sum, and its next value, the residual, is
@@ -495,13 +498,14 @@ def _two_shot(
             summed.add_(shard_error)
         payload, ctx = codec.compress(summed)  # zeros where a rank was not finite: streams in step
     nbytes = [sum(layout_nbytes(layout)) for layout in layouts]
-    frame = framed([t.reshape(-1).view(torch.uint8) for t in payload], ok)  # a copy of the payload
+    frame = torch.empty(max(nbytes) + 1, dtype=torch.uint8, device=x.device)  # equal frames
+    frame[nbytes[mine] + 1 :].zero_()
+    frame_into(frame[: nbytes[mine] + 1], [t.reshape(-1).view(torch.uint8) for t in payload], ok)
     residual = None
     if not alone and shard_error is not None:
         if not fused:  # after framing: a payload may be a view of summed
             codec.sub_decoded_(summed, payload, ctx)
         residual = summed
-    frame = torch.cat([frame, frame.new_zeros(max(nbytes) + 1 - frame.numel())])  # equal frames
     clock.lap("compress")
     payload_nbytes = sum(nbytes) + (0 if alone else nbytes[mine])
     sent = sum(f.numel() for rank, f in enumerate(frames) if rank != mine)
@@ -598,20 +602,26 @@ def _to_owners(
     finite: bool,
     clock: _Clock,
     corrected: Corrected | None = None,
+    into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, bool, list[torch.Tensor], list[Any], list[object], list[Payload]]:
     """Each shard of `flat` encoded and sent to its owner by one all_to_all; the owner's sum of the
     decoded shards it received (zero where any was not finite), whether all were finite, and this
     rank's frames, payload layouts, contexts and the payloads received. `corrected`: `flat` is
-    computed as it is encoded (start's argument)."""
+    computed as it is encoded (start's argument). `into`: where the sum goes, else a fresh tensor."""
     mine = comm.rank
-    frames, layouts, ctxs = [], [], []
-    for start, end in bounds:  # framing copies each payload before the next compress can reuse scratch
+    layouts, ctxs = [], []
+    # The frames lie end to end in one buffer, which the all_to_all sends as it is (fixed-size
+    # payloads: sizes known before encoding).
+    sizes = [codec.payload_bytes(end - start) + 1 for start, end in bounds]
+    frames = list(torch.empty(sum(sizes), dtype=torch.uint8, device=flat.device).split(sizes))
+    for (start, end), frame in zip(bounds, frames, strict=True):
         if corrected is None:
             payload, ctx = codec.compress(flat[start:end])
         else:
             g, base = (t.view(-1)[start:end] for t in (corrected.g, corrected.base))
             payload, ctx = codec.compress_corrected(g, base, corrected.alpha, flat[start:end])
-        frames.append(framed([t.reshape(-1).view(torch.uint8) for t in payload], finite))
+        # Framed before the next compress can reuse scratch memory the payload may lie in.
+        frame_into(frame, [t.reshape(-1).view(torch.uint8) for t in payload], finite)
         layouts.append([(t.dtype, t.shape) for t in payload])
         ctxs.append(ctx)
     clock.lap("compress")
@@ -619,7 +629,7 @@ def _to_owners(
     received = comm.all_to_all(frames, [frames[mine].numel()] * comm.world_size).wait()
     clock.lap("communicate")
     start, end = bounds[mine]
-    summed = torch.zeros(end - start, dtype=flat.dtype, device=flat.device)
+    summed = into.zero_() if into is not None else flat.new_zeros(end - start)
     payloads = [from_bytes(frame, layouts[mine]) for frame in received]
     ok = all(frame[-1] == 0 for frame in received) and all(_all_finite(p) for p in payloads)
     if ok and comm.world_size > 1:

@@ -202,8 +202,21 @@ def check_indices(indices: torch.Tensor, numel: int) -> None:
 
 def framed(parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
     """The parts concatenated (one dtype), then the flag: 0 if this rank's input was finite, else 1."""
-    flag = torch.full((1,), 0 if finite else 1, dtype=parts[0].dtype, device=parts[0].device)
-    return torch.cat([*parts, flag])
+    frame = parts[0].new_empty(sum(part.numel() for part in parts) + 1)
+    return frame_into(frame, parts, finite)
+
+
+def frame_into(frame: torch.Tensor, parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
+    """framed(parts, finite) written into `frame` (1-D, one element longer than the parts): a
+    slice of a larger send buffer, so that a collective sends the frames without another copy."""
+    offset = 0
+    for part in parts:
+        frame[offset : offset + part.numel()].copy_(part)
+        offset += part.numel()
+    if frame.numel() != offset + 1:
+        raise ValueError(f"a frame of {frame.numel()} elements for parts of {offset} and a flag")
+    frame[offset] = 0 if finite else 1
+    return frame
 
 
 def split_frame(frame: torch.Tensor, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -12,7 +12,7 @@ import time
 import torch
 from torch.futures import Future
 
-from gradsync.comm import Lane, completed
+from gradsync.comm import Lane, _end_to_end, completed
 
 
 def _lane_threads() -> list[threading.Thread]:
@@ -80,3 +80,20 @@ def test_no_lane_thread_is_left_when_the_interpreter_exits() -> None:
     assert done.returncode == 0, done.stderr
     assert "gradsync-lane" in done.stdout.split("alive:")[1].splitlines()[0], done.stdout
     assert "left: ['MainThread']" in done.stdout, done.stdout
+
+
+def test_parts_end_to_end_in_one_buffer_are_sent_from_it_and_others_are_concatenated() -> None:
+    # TorchComm.all_to_all sends one tensor: two-shot's frames, slices of one buffer, need no copy.
+    buffer = torch.arange(10.0)
+    adjacent = list(buffer[2:].split([3, 0, 5]))
+    joined = _end_to_end(adjacent)
+    assert joined.data_ptr() == buffer[2:].data_ptr() and torch.equal(joined, buffer[2:])
+    for parts in (
+        [buffer[:3], buffer[4:6]],  # a gap
+        [buffer[5:], buffer[:5]],  # out of order
+        [buffer[:3], torch.arange(2.0)],  # another buffer
+        [buffer[:4:2], buffer[4:6]],  # not contiguous
+    ):
+        joined = _end_to_end(parts)
+        assert torch.equal(joined, torch.cat(parts))
+        assert joined.data_ptr() != buffer.data_ptr()

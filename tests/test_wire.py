@@ -14,6 +14,8 @@ from gradsync.wire import (
     encode_indices,
     field_bits,
     fields_per_word,
+    frame_into,
+    framed,
     index_format,
     index_nbytes,
     pack_bits,
@@ -394,3 +396,19 @@ def test_decode_indices_refuses_an_out_of_range_coo_index(bad: int) -> None:
 def test_decode_indices_refuses_anything_but_flat_uint8() -> None:
     with pytest.raises(ValueError, match="1-D uint8"):
         decode_indices(torch.tensor([0, 7], dtype=torch.int32), 1000, 2)
+
+
+def test_a_frame_is_the_parts_end_to_end_then_the_flag_and_frame_into_writes_the_same() -> None:
+    parts = [torch.arange(5, dtype=torch.uint8), torch.arange(3, dtype=torch.uint8) + 100]
+    for finite, flag in ((True, 0), (False, 1)):
+        expected = torch.cat([*parts, torch.tensor([flag], dtype=torch.uint8)])
+        assert torch.equal(framed(parts, finite), expected)
+        buffer = torch.full((20,), 7, dtype=torch.uint8)
+        assert torch.equal(frame_into(buffer[4:13], parts, finite), expected)
+        assert torch.equal(buffer[:4], torch.full((4,), 7, dtype=torch.uint8))  # nothing outside it
+        assert torch.equal(buffer[13:], torch.full((7,), 7, dtype=torch.uint8))
+
+
+def test_frame_into_refuses_a_frame_of_another_size() -> None:
+    with pytest.raises(ValueError, match="a frame of 10 elements for parts of 8 and a flag"):
+        frame_into(torch.empty(10, dtype=torch.uint8), [torch.zeros(8, dtype=torch.uint8)], True)
