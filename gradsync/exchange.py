@@ -18,7 +18,8 @@ thread where it must wait for one collective before issuing the next (multi-roun
 exchanges, the sparse schemes). Either way the caller gets a future at once.
 
 Every rank decodes the payloads in rank order (or from one sum), so the result is bit-identical
-on every rank. Callers divide by the world size first, so the sum is the average.
+on every rank. Each rank's share is its tensor divided by the world size (by the caller, or by
+the codec as it compresses: `divisor`, `corrected`), so the sum is the average.
 
 Non-finite gradients, where the caller guards (a compressed group: error memories and codec state
 must never take them in): a rank whose tensor is not finite compresses zeros instead, so its codec
@@ -74,6 +75,7 @@ class Exchanged:
     seconds: dict[str, float] = field(default_factory=dict)  # compress, communicate, decompress
     # t -= local() in place, by the codec's sub_decoded_ (sparse codecs touch only what they sent);
     # None where the payload is decoded only as a whole (multi-round codecs): local() is subtracted.
+    # With start's `corrected`, the codec already left x - local() in x: x is returned as it is.
     subtract_local: RemoveLocal | None = None
 
     def remove_local_(self, t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,10 @@ def start(
     multi-round, votes), two-shot for the other dense quantizers, else allgather.
 
     `finite` False: this rank's `x` is not finite; it sends zeros and tells the others. `out`
-    (shaped like `x`, sharing no memory with it) receives the sum instead of a fresh tensor.
+    (shaped like `x`) receives the sum instead of a fresh tensor; it may be `x` itself (not with
+    `corrected`) or corrected.g, as both are read before `out` is first written (two-shot builds
+    the owner's sum in its shard of `out`), and it holds nothing meaningful when the result is not
+    finite.
     `keep_local` False promises that the caller never asks for its own decoded payload (no error
     feedback), so a summable payload is allreduced in place. `guard` False: nothing keeps state a
     non-finite step could poison, and the codec carries NaN and inf by itself (its declared
@@ -162,11 +167,8 @@ def start(
             "without a vote can have a shard's sum encoded again by its owner; leave the collective "
             "to the codec"
         )
-    if corrected is not None and not (collective == "two-shot" and kind.fuses_feedback and finite):
-        raise ValueError(
-            f"corrected given for {kind.__name__} by {collective} (finite={finite}): only a finite "
-            "two-shot exchange by a codec that fuses_feedback computes its input as it encodes"
-        )
+    if corrected is not None:
+        _check_corrected(corrected, x, kind, collective, finite, out, divisor)
     fused = collective == "allreduce" and kind.rounds == 1 and not kind.majority_vote and scheme is None
     if divisor != 1 and not fused:  # only a plain allreduce's one compress divides as it goes
         x, divisor = x.div_(divisor), 1
@@ -488,10 +490,10 @@ def _two_shot(
     # The second encoding's error memory is added to the sum, and its next value, the residual, is
     # taken in `summed` itself (no fresh tensor) and kept only once every owner's payload is known
     # finite. A codec that fuses feedback does the add, the encode and the residual in one pass.
-    fused = ok and not alone and shard_error is not None and type(codec).fuses_feedback
+    one_pass = ok and not alone and shard_error is not None and type(codec).fuses_feedback
     if alone:
         payload = payloads[0]
-    elif fused:
+    elif one_pass:
         payload, ctx = codec.compress_corrected(summed, shard_error, 1.0, summed)
     else:
         if ok and shard_error is not None:
@@ -503,7 +505,7 @@ def _two_shot(
     frame_into(frame[: nbytes[mine] + 1], [t.reshape(-1).view(torch.uint8) for t in payload], ok)
     residual = None
     if not alone and shard_error is not None:
-        if not fused:  # after framing: a payload may be a view of summed
+        if not one_pass:  # after framing: a payload may be a view of summed
             codec.sub_decoded_(summed, payload, ctx)
         residual = summed
     clock.lap("compress")
@@ -610,18 +612,22 @@ def _to_owners(
     computed as it is encoded (start's argument). `into`: where the sum goes, else a fresh tensor."""
     mine = comm.rank
     layouts, ctxs = [], []
-    # The frames lie end to end in one buffer, which the all_to_all sends as it is (fixed-size
-    # payloads: sizes known before encoding).
-    sizes = [codec.payload_bytes(end - start) + 1 for start, end in bounds]
-    frames = list(torch.empty(sum(sizes), dtype=torch.uint8, device=flat.device).split(sizes))
-    for (start, end), frame in zip(bounds, frames, strict=True):
+    # The frames lie end to end in one buffer, which the all_to_all sends as it is: two-shot's
+    # payloads are fixed-size, and payload_bytes exact for float32 input. Else framed one by one.
+    frames: list[torch.Tensor | None] = [None] * len(bounds)
+    if flat.dtype == torch.float32:
+        sizes = [codec.payload_bytes(end - start) + 1 for start, end in bounds]
+        frames = list(torch.empty(sum(sizes), dtype=torch.uint8, device=flat.device).split(sizes))
+    for shard, (start, end) in enumerate(bounds):
         if corrected is None:
             payload, ctx = codec.compress(flat[start:end])
         else:
             g, base = (t.view(-1)[start:end] for t in (corrected.g, corrected.base))
             payload, ctx = codec.compress_corrected(g, base, corrected.alpha, flat[start:end])
         # Framed before the next compress can reuse scratch memory the payload may lie in.
-        frame_into(frame, [t.reshape(-1).view(torch.uint8) for t in payload], finite)
+        parts = [t.reshape(-1).view(torch.uint8) for t in payload]
+        frame = frames[shard]
+        frames[shard] = framed(parts, finite) if frame is None else frame_into(frame, parts, finite)
         layouts.append([(t.dtype, t.shape) for t in payload])
         ctxs.append(ctx)
     clock.lap("compress")
@@ -639,6 +645,33 @@ def _to_owners(
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def _check_corrected(
+    corrected: Corrected,
+    x: torch.Tensor,
+    kind: type[Compressor],
+    collective: str,
+    finite: bool,
+    out: torch.Tensor | None,
+    divisor: int,
+) -> None:
+    """Refuse a `corrected` start() cannot honour, naming what to change."""
+    if not (collective == "two-shot" and kind.fuses_feedback and finite):
+        raise ValueError(
+            f"corrected given for {kind.__name__} by {collective} (finite={finite}): only a finite "
+            "two-shot exchange by a codec that fuses_feedback computes its input as it encodes"
+        )
+    if corrected.g.shape != x.shape or corrected.base.shape != x.shape or divisor != 1:
+        raise ValueError(
+            f"corrected's g {tuple(corrected.g.shape)} and base {tuple(corrected.base.shape)} for x "
+            f"{tuple(x.shape)}, divisor {divisor}: x is computed from them, so shapes must match and "
+            "the division is corrected's alpha (divisor 1)"
+        )
+    if out is not None and out.data_ptr() == x.data_ptr():
+        raise ValueError(
+            "out is x, which keeps the residual when corrected is given: decode into g or another buffer"
+        )
 
 
 def _already_subtracted(x: torch.Tensor) -> RemoveLocal:

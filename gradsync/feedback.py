@@ -6,6 +6,12 @@ One Feedback object per compression point (per DDP bucket). A step with feedback
     ... compress p, exchange, decode ...
     out = fb.update(g, p, local, total, remove_local_)
 
+or, where the codec fuses feedback (Compressor.fuses_feedback) and the form can defer:
+
+    p, corrected = fb.defer(g, n)      # p's buffer, unwritten, and the formula for it
+    ... the codec computes p as it encodes (compress_corrected), leaving p - decoded in p ...
+    out = fb.update(g, p, local, total, remove_local_)   # remove_local_ from that exchange
+
 where `local` is this rank's own decoded payload (a function, called only by forms that need
 it), `remove_local_(t)` subtracts it from t in place and returns t (sparse codecs do so without
 a dense temporary), and `total` the decoded sum over ranks, bit-identical on every rank.
@@ -13,10 +19,6 @@ a dense temporary), and `total` the decoded sum over ranks, bit-identical on eve
 that declares reads_gradient False may find `g` overwritten by then (the hook decodes the sum
 into it). The caller calls `update` only for steps whose gradients were finite on every rank,
 so non-finite values never enter a memory; a point's steps run one after the other.
-
-Residual feedback can also `defer` p to a codec that computes it as it encodes and leaves the
-residual in p's buffer (Compressor.compress_corrected): one pass instead of three; `update` then
-finds the residual there.
 
 `prepare` (and `defer`) may be given a non-finite `g` (where the codec's payload shows it, the
 hook does not look first: Compressor.reveals_nonfinite), so it must leave every memory
@@ -145,6 +147,8 @@ class ErrorFeedback(Feedback):
         return torch.add(error, g, alpha=1 / world_size, out=spare)  # one pass: e + g / n
 
     def defer(self, g: torch.Tensor, world_size: int = 1) -> tuple[torch.Tensor, Corrected] | None:
+        if type(self).prepare is not ErrorFeedback.prepare:  # a subclass computes another p
+            return None
         # The same p as prepare's (torch.add with alpha 1 adds exactly), in the same spare.
         self._spare = _spare_like(self._spare, g)
         return self._spare, Corrected(g, self._memory("error", g), 1 / world_size)
@@ -158,7 +162,8 @@ class ErrorFeedback(Feedback):
         remove_local_: RemoveLocal | None = None,
     ) -> torch.Tensor:
         # p - decoded, computed in p (our spare, from prepare): the same bits as p - local(),
-        # without a full-size tensor; sparse codecs touch only the entries they sent.
+        # without a full-size tensor; sparse codecs touch only the entries they sent. After defer
+        # the codec left it there already, and the exchange's remove_local_ says so.
         residual = remove_local_(p) if remove_local_ is not None else p.sub_(local())
         self._spare, self.error = self.error, residual
         return total
@@ -263,9 +268,6 @@ class MomentumCorrection(ErrorFeedback):
         self.applied: torch.Tensor | None = None  # D_prev: what the optimizer's buffer holds
         self._velocity_spare: torch.Tensor | None = None
         self._applied_spare: torch.Tensor | None = None
-
-    def defer(self, g: torch.Tensor, world_size: int = 1) -> tuple[torch.Tensor, Corrected] | None:
-        return None  # p adds the velocity, which prepare computes first
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         # Written into spares: the memories stay untouched until update, so a skipped step leaves

@@ -340,11 +340,11 @@ class SyncState:
         # (int8, int4 by two-shot): p is computed as it is encoded.
         fuse = strategy.collective == "two-shot" and type(point.codec).fuses_feedback and not self._carry
         deferred = point.feedback.defer(x, comm.world_size) if finite and fuse else None
-        if deferred is not None:
+        if deferred is not None:  # nothing carried (fuse), and p not yet written
             p, corrected = deferred
         else:
             p, corrected = point.feedback.prepare(x, comm.world_size) if finite and divisor == 1 else x, None
-        self._add_carried(p, params)
+            self._add_carried(p, params)
         # The sum is decoded into `x`, as PyTorch's own hooks return the bucket they were given (a
         # fresh full-size tensor costs as much in page faults as a copy), wherever nothing reads `x`
         # afterwards: what was compressed is another tensor, or its decode is not needed again.

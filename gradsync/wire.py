@@ -209,12 +209,13 @@ def framed(parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
 def frame_into(frame: torch.Tensor, parts: list[torch.Tensor], finite: bool) -> torch.Tensor:
     """framed(parts, finite) written into `frame` (1-D, one element longer than the parts): a
     slice of a larger send buffer, so that a collective sends the frames without another copy."""
+    offset = sum(part.numel() for part in parts)
+    if frame.numel() != offset + 1:
+        raise ValueError(f"a frame of {frame.numel()} elements for parts of {offset} and a flag")
     offset = 0
     for part in parts:
         frame[offset : offset + part.numel()].copy_(part)
         offset += part.numel()
-    if frame.numel() != offset + 1:
-        raise ValueError(f"a frame of {frame.numel()} elements for parts of {offset} and a flag")
     frame[offset] = 0 if finite else 1
     return frame
 

@@ -176,6 +176,20 @@ def test_ef_prepare_without_update_leaves_no_trace() -> None:
         assert same_bits(fb.error, reference.error)
 
 
+@pytest.mark.parametrize("form", feedback.names())
+def test_only_residual_feedback_defers_p_and_then_to_prepares_formula(form: str) -> None:
+    # A form whose p is not e + g / n (momentum correction adds a velocity) must compute it itself.
+    fb, g = feedback.build(form), with_signed_zeros(100)
+    deferred = fb.defer(g, 4)
+    if form != "ef":
+        assert deferred is None
+        return
+    p, corrected = deferred
+    assert corrected.g is g and corrected.alpha == 0.25
+    assert same_bits(torch.add(corrected.base, g, alpha=corrected.alpha), fb.prepare(g.clone(), 4))
+    assert p.data_ptr() == fb._spare.data_ptr()  # p's buffer is the spare prepare writes into
+
+
 def test_ef_state_dict_has_only_the_memory_and_round_trips() -> None:
     fb = feedback.build("ef")
     for g in gradients(3):
@@ -334,6 +348,29 @@ def test_exchange_refuses_a_corrected_input_where_the_codec_does_not_compute_it(
     corrected = feedback.Corrected(torch.randn(10), torch.zeros(10), 1.0)
     with pytest.raises(ValueError, match="fuses_feedback"):
         exchange.start(compress.build(name), x, Route(LocalComm()), collective, corrected=corrected)
+
+
+def test_exchange_refuses_a_corrected_input_it_would_misread() -> None:
+    codec, x, g = compress.build("int4"), torch.empty(10), torch.randn(10)
+    for bad in (
+        {"corrected": feedback.Corrected(torch.randn(11), torch.zeros(11), 1.0)},  # another shape
+        {"corrected": feedback.Corrected(g, torch.zeros(10), 1.0), "divisor": 2},  # divided twice
+        {"corrected": feedback.Corrected(g, torch.zeros(10), 1.0), "out": x},  # the residual's buffer
+    ):
+        with pytest.raises(ValueError, match="corrected"):
+            exchange.start(codec, x, Route(LocalComm()), "two-shot", **bad)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_compress_corrected_refuses_tensors_one_pass_cannot_read_and_write(name) -> None:
+    codec, g, base = compress.build(name), torch.randn(256), torch.randn(256)
+    with pytest.raises(ValueError, match="differ in shape"):
+        codec.compress_corrected(g, base, 1.0, torch.empty(255))
+    with pytest.raises(ValueError, match="out overlaps base"):
+        codec.compress_corrected(g, base, 1.0, base)
+    with pytest.raises(ValueError, match="out overlaps base, or part of g"):
+        buffer = torch.randn(257)
+        codec.compress_corrected(buffer[:256], base, 1.0, buffer[1:])
 
 
 # -- sparse selection -------------------------------------------------------------------------------

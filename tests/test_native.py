@@ -88,6 +88,8 @@ def test_absmax_encode_and_every_decode_give_the_torch_ops_bits(name, block, num
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("alpha", [1.0, 0.25, 1 / 3])
 def test_compress_corrected_is_the_add_the_encode_and_the_residual_bit_for_bit(name, block, numel, alpha):
+    if alpha == 1 / 3 and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("torch's kernels without FMA round base + alpha * g twice; the kernel's fmaf once")
     # Error feedback's three passes, fused: p = base + alpha * g as torch.add rounds it (once), the
     # payload of p, and p - decoded(payload) left in out.
     codec = build(name, block_size=block)

@@ -410,5 +410,7 @@ def test_a_frame_is_the_parts_end_to_end_then_the_flag_and_frame_into_writes_the
 
 
 def test_frame_into_refuses_a_frame_of_another_size() -> None:
+    frame = torch.full((10,), 7, dtype=torch.uint8)
     with pytest.raises(ValueError, match="a frame of 10 elements for parts of 8 and a flag"):
-        frame_into(torch.empty(10, dtype=torch.uint8), [torch.zeros(8, dtype=torch.uint8)], True)
+        frame_into(frame, [torch.zeros(8, dtype=torch.uint8)], True)
+    assert torch.equal(frame, torch.full((10,), 7, dtype=torch.uint8))  # refused before any write

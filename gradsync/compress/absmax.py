@@ -8,7 +8,7 @@ import torch
 
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from . import native
-from .base import Compressor, Payload, check_int
+from .base import Compressor, Payload, check_corrected, check_int
 from .scratch import padded_rows, scaled_rows, scaled_rows_into, scratch
 
 
@@ -63,6 +63,7 @@ class Int8(Compressor):
     def compress_corrected(
         self, g: torch.Tensor, base: torch.Tensor, alpha: float, out: torch.Tensor
     ) -> tuple[Payload, Any]:
+        check_corrected(g, base, out)
         tensors = (g, base, out)
         if all(t.dtype == torch.float32 for t in tensors) and self._native(*tensors):
             packed, scales = self._empty_payload(g.numel())

@@ -260,3 +260,25 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
     return value
+
+
+def check_corrected(g: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> None:
+    """Refuse compress_corrected's tensors where one pass cannot read g and base and write out."""
+    if not g.shape == base.shape == out.shape:
+        raise ValueError(
+            f"compress_corrected: g {tuple(g.shape)}, base {tuple(base.shape)} and out {tuple(out.shape)} "
+            "differ in shape; pass the gradient, its error memory and a buffer of one shape"
+        )
+    if overlaps(base, out) or (overlaps(g, out) and g.data_ptr() != out.data_ptr()):
+        raise ValueError(
+            "compress_corrected: out overlaps base, or part of g; out may be g itself or a buffer of "
+            "its own, never the memory being read"
+        )
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of `a` and `b` intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_end = a.data_ptr() + a.numel() * a.element_size()  # contiguous spans, as the codecs take them
+    return a.data_ptr() < b.data_ptr() + b.numel() * b.element_size() and b.data_ptr() < a_end

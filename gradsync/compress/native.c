@@ -4,7 +4,8 @@
  * absmax.py, sparse.py), but reads and writes each full-size array once instead of once per op.
  * Bit for bit, so a rank that runs the torch ops and a rank that runs these decode the same
  * payloads into the same sums:
- *   - built with -ffp-contract=off: a * b + c is never fused into one rounding;
+ *   - built with -ffp-contract=off: a * b + c is never fused into one rounding, except by an
+ *     explicit fmaf where the torch op fuses it too (torch.add with alpha, on CPUs with FMA);
  *   - x / s is a division (correctly rounded, as torch's div), never a multiply by 1 / s;
  *   - nearbyintf rounds half to even in the default rounding mode, as torch.round does.
  *
@@ -19,10 +20,14 @@
 #error "gradsync's kernels read flags and codes as little-endian words; the torch ops run instead"
 #endif
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 12
 /* One clone for AVX-512 machines, one for AVX2 ones (with FMA, which fmaf needs to be one
- * instruction), one for any x86-64; the loader picks at run time. */
+ * instruction), one for any x86-64; the loader picks by the CPU's features at run time. GCC
+ * takes the psABI levels in target_clones from version 12 on. */
 #define GS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+/* Older GCC: AVX2 or any x86-64 (fmaf is then a call into libm: the same bits, slower). */
+#define GS_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define GS_CLONES
 #endif

@@ -38,7 +38,8 @@ import torch
 log = logging.getLogger("gradsync")
 
 _SOURCE = Path(__file__).with_name("native.c")
-# -ffp-contract=off: no fused multiply-add, whose single rounding the torch ops do not have;
+# -ffp-contract=off: no implicit fused multiply-add, whose single rounding the torch ops do not
+# have (native.c calls fmaf where they do);
 # -fno-fast-math against compilers that default to it. -fno-math-errno lets fabsf and nearbyintf
 # vectorize and -fno-strict-aliasing lets a kernel read floats as their bit patterns; neither
 # changes a result.

@@ -20,6 +20,7 @@ from dist_harness import run_ranks
 
 from gradsync import compress, exchange
 from gradsync.comm import TorchComm
+from gradsync.compress.absmax import Int8
 from gradsync.exchange import Route
 from gradsync.feedback import Corrected
 
@@ -27,6 +28,12 @@ NUM_RANKS = 4
 WORLD_SIZES = [2, 3, 4]
 NUMEL = 10_007  # not a multiple of any world size: shards of unequal length
 STEPS = 6
+
+
+class ThreePassInt8(Int8):
+    """int8 without its fused feedback pass: the owner adds its memory, encodes, then subtracts."""
+
+    fuses_feedback = False
 
 
 def rank_input(world: int, rank: int, step: int) -> torch.Tensor:
@@ -47,18 +54,26 @@ def _exchanges(rank: int, _: int) -> dict:
         # Error feedback on both encodings, as SyncState keeps it: p = x + e; e = p - local().
         lo, hi = exchange.shard_bounds(NUMEL, world)[rank]
         first, second, totals = torch.zeros(NUMEL), torch.zeros(hi - lo), []
-        # The same, with p computed as it is encoded and the residual left in p (feedback.defer).
+        # The same with every feedback pass fused, as SyncState runs it: p computed as it is
+        # encoded and its residual left in p (feedback.defer), the sum decoded into the gradient,
+        # the owner's memory added, encoded and taken in one pass; against three passes each.
         fused_first, fused_second, fused_totals = torch.zeros(NUMEL), torch.zeros(hi - lo), []
         for step in range(STEPS):
             p = rank_input(world, rank, step) + first
-            result = exchange.start(codec, p, Route(comm), "two-shot", shard_error=second).wait()
+            result = exchange.start(ThreePassInt8(), p, Route(comm), "two-shot", shard_error=second).wait()
             first = p - result.local()
             totals.append(result.total)
-            p = torch.empty(NUMEL)
-            corrected = Corrected(rank_input(world, rank, step), fused_first, 1.0)
+            p, g = torch.empty(NUMEL), rank_input(world, rank, step)
             result = exchange.start(
-                codec, p, Route(comm), "two-shot", shard_error=fused_second, corrected=corrected
+                codec,
+                p,
+                Route(comm),
+                "two-shot",
+                out=g,
+                shard_error=fused_second,
+                corrected=Corrected(g, fused_first, 1.0),
             ).wait()
+            assert result.total is g
             fused_first = result.remove_local_(p)
             fused_totals.append(result.total)
         out[world] = {
