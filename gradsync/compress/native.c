@@ -73,6 +73,29 @@ static inline __attribute__((always_inline)) float code_of(float q, float levels
     return within == within ? within : 0.0f;
 }
 
+/* A block's scale, absmax / levels (stored in the payload), and what its entries are divided by:
+ * the scale, or 1 where the block is all zero. */
+static inline __attribute__((always_inline)) float block_scale(const float *restrict x, int64_t count,
+                                                               float levels, float *divisor)
+{
+    const float absmax = block_absmax(x, count);
+    const float scale = absmax / levels;
+    *divisor = absmax > 0.0f ? scale : 1.0f;
+    return scale;
+}
+
+/* Int4's stored codes (code + levels, 0 .. 14) two a byte: byte j = code 2j | code 2j+1 << 4
+ * (`count` codes from an even entry: chunks and blocks start at even entries). */
+static inline __attribute__((always_inline)) void pack_pairs(uint8_t *restrict out, const uint8_t *restrict codes,
+                                                             int64_t count)
+{
+    const int64_t pairs = count >> 1;
+    for (int64_t j = 0; j < pairs; ++j)
+        out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+    if (count & 1)
+        out[pairs] = codes[count - 1];
+}
+
 GS_CLONES
 void gs_absmax_encode(const float *restrict x, int64_t numel, int64_t block, int32_t bits,
                       uint8_t *restrict packed, float *restrict scales)
@@ -81,10 +104,8 @@ void gs_absmax_encode(const float *restrict x, int64_t numel, int64_t block, int
     uint8_t codes[GS_CHUNK];
     for (int64_t start = 0, b = 0; start < numel; start += block, ++b) {
         const int64_t end = start + block < numel ? start + block : numel;
-        const float absmax = block_absmax(x + start, end - start);
-        const float scale = absmax / levels;
-        scales[b] = scale;
-        const float divisor = absmax > 0.0f ? scale : 1.0f;
+        float divisor;
+        scales[b] = block_scale(x + start, end - start, levels, &divisor);
         for (int64_t at = start; at < end; at += GS_CHUNK) {
             const int64_t count = end - at < GS_CHUNK ? end - at : GS_CHUNK;
             const float *restrict in = x + at;
@@ -96,14 +117,7 @@ void gs_absmax_encode(const float *restrict x, int64_t numel, int64_t block, int
             }
             for (int64_t i = 0; i < count; ++i)
                 codes[i] = (uint8_t)(int32_t)(code_of(in[i] / divisor, levels) + levels);
-            /* Two codes a byte: byte j = code 2j | code 2j+1 << 4 (at is even: chunks and
-             * blocks start at even entries). */
-            uint8_t *restrict out = packed + (at >> 1);
-            const int64_t pairs = count >> 1;
-            for (int64_t j = 0; j < pairs; ++j)
-                out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
-            if (count & 1)
-                out[pairs] = codes[count - 1];
+            pack_pairs(packed + (at >> 1), codes, count);
         }
     }
 }
@@ -121,14 +135,13 @@ void gs_absmax_encode_corrected(const float *g, const float *restrict base, floa
 {
     const float levels = bits == 8 ? 127.0f : 7.0f;
     float codes[GS_CHUNK];
+    uint8_t stored[GS_CHUNK];
     for (int64_t start = 0, b = 0; start < numel; start += block, ++b) {
         const int64_t end = start + block < numel ? start + block : numel;
         for (int64_t i = start; i < end; ++i)
             out[i] = fmaf(g[i], alpha, base[i]);
-        const float absmax = block_absmax(out + start, end - start);
-        const float scale = absmax / levels;
-        scales[b] = scale;
-        const float divisor = absmax > 0.0f ? scale : 1.0f;
+        float divisor;
+        const float scale = scales[b] = block_scale(out + start, end - start, levels, &divisor);
         for (int64_t at = start; at < end; at += GS_CHUNK) {
             const int64_t count = end - at < GS_CHUNK ? end - at : GS_CHUNK;
             float *restrict p = out + at;
@@ -144,12 +157,9 @@ void gs_absmax_encode_corrected(const float *g, const float *restrict base, floa
                     to[i] = (int8_t)codes[i];
                 continue;
             }
-            uint8_t *restrict to = packed + (at >> 1);
-            const int64_t pairs = count >> 1;
-            for (int64_t j = 0; j < pairs; ++j)
-                to[j] = (uint8_t)((int32_t)(codes[2 * j] + levels) | ((int32_t)(codes[2 * j + 1] + levels) << 4));
-            if (count & 1)
-                to[pairs] = (uint8_t)(int32_t)(codes[count - 1] + levels);
+            for (int64_t i = 0; i < count; ++i)
+                stored[i] = (uint8_t)(int32_t)(codes[i] + levels);
+            pack_pairs(packed + (at >> 1), stored, count);
         }
     }
 }
