@@ -203,6 +203,42 @@ def test_evaluation_shards_partition_the_heldout_set(name: str) -> None:
             assert sum(s[key] for s in shards) == pytest.approx(total, rel=1e-5), key
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_heldout_losses_of_the_shards_in_rank_order_are_the_whole_sets(name: str) -> None:
+    # Runs compared prediction by prediction (the benchmark's paired difference) need the same
+    # predictions in the same order, however many ranks evaluated them.
+    w = small(name)
+    model = w.model()
+    whole, correct = w.heldout_losses(model, 0, 1)
+    assert whole.dtype == torch.float64 and whole.numel() == w.evaluate(model, 0, 1)["count"]
+    for world_size in (2, 3):
+        shards = [w.heldout_losses(model, rank, world_size) for rank in range(world_size)]
+        assert torch.allclose(torch.cat([losses for losses, _ in shards]), whole, rtol=1e-5)
+        assert sum(c for _, c in shards) == correct
+
+
+def test_mlp_wide_decays_its_learning_rate_to_zero_by_a_cosine_over_the_run() -> None:
+    w = small("mlp-wide")
+    optimizer = w.recommended_optimizer(w.model().parameters())
+    schedule = w.recommended_schedule(optimizer, steps=8)
+    rates = []
+    for _ in range(8):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    expected = [w.recommended_lr * (1 + math.cos(math.pi * k / 8)) / 2 for k in range(8)]
+    assert rates == pytest.approx(expected)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # after the last step
+    with pytest.raises(ValueError, match="steps=0 is out of range"):
+        w.recommended_schedule(optimizer, steps=0)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "mlp-wide"])
+def test_the_other_workloads_keep_a_constant_rate(name: str) -> None:
+    w = small(name)
+    assert w.recommended_schedule(w.recommended_optimizer(w.model().parameters()), steps=10) is None
+
+
 def test_shard_bounds_are_disjoint_and_cover_everything() -> None:
     for total in (0, 1, 10, 97):
         for world_size in (1, 2, 3, 7):

@@ -92,6 +92,18 @@ def flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: s
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
 
 
+def heldout_sums(losses: torch.Tensor, correct: int, counts_correct: bool) -> dict[str, float]:
+    """Workload.evaluate's sums of a shard's per-prediction `losses` and `correct` count."""
+    sums = {
+        "loss_sum": losses.sum().item(),
+        "loss_sq_sum": losses.square().sum().item(),
+        "count": float(losses.numel()),
+    }
+    if counts_correct:
+        sums["correct"] = float(correct)
+    return sums
+
+
 class Workload(abc.ABC):
     """A model, its training data and its held-out data, for data-parallel training.
 
@@ -182,10 +194,16 @@ class Workload(abc.ABC):
         """Mean cross-entropy of the batch (per token for the language models)."""
         return flat_cross_entropy(model(inputs), targets)
 
-    def evaluate(self, model: nn.Module, rank: int, world_size: int) -> dict[str, float]:
-        """Sums over rank's disjoint shard of the held-out set: loss_sum, loss_sq_sum (of the
-        squared per-prediction losses, for the mean's standard error), count (predictions) and,
-        for classifiers, correct. Sum them over ranks, then divide by the summed count.
+    def recommended_schedule(
+        self, optimizer: torch.optim.Optimizer, steps: int
+    ) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The learning-rate schedule these defaults were checked with, over a run of `steps`
+        optimizer steps (call its step() after each optimizer.step()); None: a constant rate."""
+        return None
+
+    def heldout_losses(self, model: nn.Module, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
+        """Rank's disjoint shard of the held-out set, evaluated: every prediction's loss (float64,
+        in held-out order) and, for classifiers, how many predictions were correct (else 0).
 
         Runs under no_grad in eval mode and restores the model's mode after. The number of
         forward passes differs between ranks when the shards do, so pass the bare module
@@ -194,26 +212,28 @@ class Workload(abc.ABC):
         world_size = check_int("world_size", world_size, 1, why="the number of ranks")
         check_int("rank", rank, 0, world_size - 1, why="ranks are 0 .. world_size - 1")
         lo, hi = shard_bounds(self.heldout_size, rank, world_size)
-        sums = {"loss_sum": 0.0, "loss_sq_sum": 0.0, "count": 0.0}
-        if self.counts_correct:
-            sums["correct"] = 0.0
+        losses, correct = [torch.zeros(0, dtype=torch.float64)], 0
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
                 for start in range(lo, hi, self.eval_chunk):
-                    chunk = torch.arange(start, min(start + self.eval_chunk, hi))
-                    inputs, targets = self.heldout_samples(chunk)
+                    inputs, targets = self.heldout_samples(
+                        torch.arange(start, min(start + self.eval_chunk, hi))
+                    )
                     logits = model(inputs)
-                    losses = flat_cross_entropy(logits, targets, reduction="none").double()
-                    sums["loss_sum"] += losses.sum().item()
-                    sums["loss_sq_sum"] += losses.square().sum().item()
-                    sums["count"] += targets.numel()
+                    losses.append(flat_cross_entropy(logits, targets, reduction="none").double())
                     if self.counts_correct:
-                        sums["correct"] += (logits.argmax(-1) == targets).sum().item()
+                        correct += int((logits.argmax(-1) == targets).sum())
         finally:
             model.train(was_training)
-        return sums
+        return torch.cat(losses), correct
+
+    def evaluate(self, model: nn.Module, rank: int, world_size: int) -> dict[str, float]:
+        """Sums over rank's shard of the held-out set (heldout_losses): loss_sum, loss_sq_sum (of
+        the squared per-prediction losses, for the mean's standard error), count (predictions)
+        and, for classifiers, correct. Sum them over ranks, then divide by the summed count."""
+        return heldout_sums(*self.heldout_losses(model, rank, world_size), counts_correct=self.counts_correct)
 
     def describe(self) -> str:
         return (
