@@ -165,6 +165,32 @@ def test_the_reference_curve_reports_its_noise_and_its_fall_over_the_last_quarte
     assert curve == {"final_loss": 1.0, "final_se": 0.01, "last_quarter_fall": pytest.approx(0.25)}
 
 
+def test_paired_difference_is_the_mean_and_standard_error_of_per_prediction_differences():
+    reference = [1.0, 2.0, 3.0, 2.0]
+    losses = [1.5, 2.0, 3.5, 2.2]  # differences 0.5, 0, 0.5, 0.2: mean 0.3 over a mean loss of 2
+    difference, se = train.paired(losses, reference)
+    assert difference == pytest.approx(0.3 / 2.0)
+    assert se == pytest.approx(statistics.stdev([0.5, 0.0, 0.5, 0.2]) / 2 / 2.0)
+    # Pairing: a model worse by the same amount on every prediction is known exactly, however
+    # much the predictions themselves differ.
+    assert train.paired([x + 0.1 for x in reference], reference) == pytest.approx((0.05, 0.0))
+    assert train.paired(losses, reference[:3]) is None  # not the same predictions
+    assert train.paired(None, reference) is None
+
+
+def test_summary_compares_each_final_loss_with_the_references_over_the_same_predictions():
+    options = train.BenchOptions(strategies=("ddp", "topk"), steps=20)
+    ddp, topk = _raw("ddp", 1.0, [3.0, 2.0, 1.0]), _raw("topk", 0.25, [3.0, 2.0, 1.1])
+    ddp["final_losses"], topk["final_losses"] = [0.5, 1.5, 1.0], [0.6, 1.6, 1.1]
+    runs = train.summarize([ddp, topk], {}, options)["runs"]
+    assert runs[1]["final_vs_reference"] == pytest.approx(0.1)
+    assert runs[1]["final_vs_reference_se"] == pytest.approx(0.0, abs=1e-12)
+    assert runs[0]["final_vs_reference"] is None  # the reference itself
+    # The per-prediction losses are used, not published.
+    assert all("final_losses" not in run for run in runs)
+    assert "+10.0% ± 0.0" in report.table({"meta": _document()["meta"], "runs": runs})
+
+
 def test_a_run_that_never_reaches_the_target_has_no_time_to_target():
     options = train.BenchOptions(strategies=("ddp", "signsgd"), steps=20)
     raw = [_raw("ddp", 1.0, [3.0, 2.0, 1.0]), _raw("signsgd", 0.5, [3.0, 2.5, 2.0])]

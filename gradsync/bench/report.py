@@ -17,8 +17,9 @@ def table(document: dict[str, Any]) -> str:
     """The comparison as a Markdown table, one row per strategy, with the run's conditions."""
     lines = [
         "| strategy | step median (s) | step p90 (s) | speed-up | samples/s | MB sent/step | "
-        "peak MB/step | wire MB/step | final eval loss | time to target (s) | TTT speed-up |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"peak MB/step | wire MB/step | final eval loss | final vs {reference_name(document['meta'])} | "
+        "time to target (s) | TTT speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     steady = document["meta"]["steady_from"]
     for r in document["runs"]:
@@ -28,7 +29,7 @@ def table(document: dict[str, Any]) -> str:
         lines.append(
             f"| {r['label']} | {r['step_median_s']:.3f} | {r['step_p90_s']:.3f} | "
             f"{_times(r.get('step_speedup'))} | {r['samples_per_s']:.1f} | {r['bytes_per_step'] / 1e6:.2f} | "
-            f"{peak / 1e6:.2f} | {wire} | {r['final_loss']:.4f} | {ttt} | "
+            f"{peak / 1e6:.2f} | {wire} | {r['final_loss']:.4f} | {_versus(r)} | {ttt} | "
             f"{_times(r.get('time_to_target_speedup'))} |"
         )
     return "\n".join(lines) + "\n\n" + conditions(document)
@@ -82,6 +83,15 @@ def conditions(document: dict[str, Any]) -> str:
             f" {ddp}'s final held-out loss {curve['final_loss']:.4f} has a standard error of "
             f"{curve['final_se']:.4f} over the held-out predictions: the tolerance is "
             f"{meta['tolerance'] * curve['final_loss'] / curve['final_se']:.1f} of them."
+        )
+    paired = [r["final_vs_reference_se"] for r in document["runs"] if r.get("final_vs_reference_se")]
+    if paired:
+        noise += (
+            f" final vs {ddp}: a run's final loss minus {ddp}'s, in % of {ddp}'s, ± the standard "
+            "error of that difference over the same held-out predictions (paired: what both models "
+            f"get wrong alike cancels), here {100 * min(paired):.1f} to {100 * max(paired):.1f}%: "
+            f"the tolerance is {meta['tolerance'] / max(paired):.1f} to "
+            f"{meta['tolerance'] / min(paired):.1f} of them."
         )
     if curve.get("last_quarter_fall") is not None:
         noise += f" Over its last quarter of steps {ddp}'s loss fell {100 * curve['last_quarter_fall']:.1f}%."
@@ -195,6 +205,12 @@ def plots(document: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.savefig(breakdown, dpi=110)
     plt.close(fig)
     return [curve, breakdown]
+
+
+def _versus(run: dict[str, Any]) -> str:
+    """The final loss against the reference's, in percent, with its paired standard error."""
+    difference, se = run.get("final_vs_reference"), run.get("final_vs_reference_se")
+    return "-" if difference is None else f"{100 * difference:+.1f}% ± {100 * se:.1f}"
 
 
 def _times(value: float | None) -> str:

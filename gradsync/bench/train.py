@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import queue
 import signal
@@ -152,12 +153,13 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
         order.sort(key=lambda text: strategies.parse(text).kind != "ddp")
     made = report.provenance()  # the code every rank is about to import, not what is there after
     raw: dict[str, dict[str, Any]] = {}
+    schedule_steps = options.steps  # until_flat may shorten the runs, not their schedule
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as tmp:
         for index, text in enumerate(order):
             label = strategies.parse(text).label
             bar = ProgressBar(options.steps, label) if progress else None
             flat = options.until_flat if index == 0 else None
-            raw[text] = _run_one(options, network, text, Path(tmp), index, bar, flat)
+            raw[text] = _run_one(options, network, text, Path(tmp), index, bar, flat, schedule_steps)
             if flat is not None:
                 options = dataclasses.replace(options, steps=len(raw[text]["step_s"]))
     meta = {
@@ -177,11 +179,14 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
     Step times and bytes (means; the step's median and p90 too) count steady steps only (from
     `options.steady_from`). The target is the reference run's (DDP's, else FSDP2's own) final
     held-out loss times (1 + tolerance); a run reaches it at its first evaluation at or below it,
-    and its time-to-target is the training wall-clock time of that evaluation.
+    and its time-to-target is the training wall-clock time of that evaluation. Each run's final
+    loss is compared with the reference's over the same held-out predictions (`paired`); the
+    per-prediction losses are not kept in the document.
     """
     references = [r for r in raw if strategies.parse(r["strategy"]).is_reference]
     reference = min(references, key=lambda r: strategies.parse(r["strategy"]).kind != "ddp", default=None)
     target = reference["evals"][-1]["loss"] * (1 + options.tolerance) if reference else None
+    reference_losses = reference.get("final_losses") if reference else None
     runs = []
     for r in raw:
         steady = r["step_s"][options.steady_from :]
@@ -190,9 +195,10 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
         compute = statistics.median(r["compute_s"])
         compression_s = statistics.median(compression) if compression else None
         reached = next((e for e in r["evals"] if target is not None and e["loss"] <= target), None)
+        versus = paired(r.get("final_losses"), reference_losses) if r is not reference else None
         runs.append(
             {
-                **r,
+                **{k: v for k, v in r.items() if k != "final_losses"},
                 "step_median_s": step_median,
                 "step_p90_s": quantile(steady, 0.9),
                 # Throughput and bytes are means: a strategy that syncs every H steps (DiLoCo) has
@@ -211,6 +217,10 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
                 },
                 "time_to_target_s": reached["wall_s"] if reached else None,
                 "steps_to_target": reached["step"] if reached else None,
+                # (final loss - the reference's) / the reference's, and that difference's
+                # standard error over the held-out predictions, paired: the same ones, both models.
+                "final_vs_reference": versus[0] if versus else None,
+                "final_vs_reference_se": versus[1] if versus else None,
             }
         )
     if reference is not None:
@@ -228,6 +238,23 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
         "reference_curve": _curve(reference["evals"]) if reference else None,
     }
     return {"meta": meta, "runs": runs}
+
+
+def paired(losses: Sequence[float] | None, reference: Sequence[float] | None) -> tuple[float, float] | None:
+    """How much higher one model's held-out loss is than the reference's, relative to the
+    reference's, and the standard error of that, over the same predictions: the mean and the
+    standard error of the per-prediction differences, each divided by the reference's mean loss.
+
+    Pairing removes what the two models share (the same hard predictions), which independent
+    held-out draws would not; None where either has no per-prediction losses, or they differ in
+    number (not the same predictions).
+    """
+    if not losses or not reference or len(losses) != len(reference) or len(losses) < 2:
+        return None
+    difference = [a - b for a, b in zip(losses, reference, strict=True)]
+    scale = statistics.fmean(reference)
+    se = statistics.stdev(difference) / math.sqrt(len(difference))
+    return statistics.fmean(difference) / scale, se / scale
 
 
 def _curve(evals: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -262,6 +289,7 @@ def _run_one(
     index: int,
     bar: ProgressBar | None,
     until_flat: float | None = None,
+    schedule_steps: int | None = None,
 ) -> dict[str, Any]:
     spec = {
         "workload": options.workload,
@@ -275,6 +303,7 @@ def _run_one(
         "probe_steps": options.probe_steps,
         "timeout_s": options.timeout_s,
         "until_flat": until_flat,
+        "schedule_steps": schedule_steps or options.steps,
     }
     name = f"strategy {strategy!r}"
     result = run_job(

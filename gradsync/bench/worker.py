@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import tuner, workloads
+from ..workloads.base import heldout_sums
 from . import strategies
 from .rank import leave, serve
 from .train import last_quarter_fall
@@ -41,9 +42,15 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         strategy, workload.model(), workload.recommended_optimizer
     )
     steps, steady_from = spec["steps"], spec["steady_from"]
+    # The schedule spans the steps asked for, the same for every strategy (a run that --until-flat
+    # stops early was still on that schedule).
+    schedule = workload.recommended_schedule(optimizer, spec["schedule_steps"])
     tx = TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
 
-    evals = [_evaluate(workload, _held_out_model(model, installed), rank, world_size, step=0, wall_s=0.0)]
+    first, final_losses = _evaluate(
+        workload, _held_out_model(model, installed), rank, world_size, step=0, wall_s=0.0
+    )
+    evals = [first]
     step_s: list[float] = []
     sent_nbytes: list[int] = []
     compression_s: list[float | None] = []
@@ -58,6 +65,8 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
         elapsed = time.perf_counter() - started
         wall_s += elapsed
         step_s.append(elapsed)
@@ -67,7 +76,10 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
             print(json.dumps({"step": step + 1, "step_s": elapsed, "loss": loss.item()}), flush=True)
         if (step + 1) % spec["eval_every"] == 0 or step + 1 == steps:
             held_out = _held_out_model(model, installed)
-            evals.append(_evaluate(workload, held_out, rank, world_size, step=step + 1, wall_s=wall_s))
+            point, final_losses = _evaluate(
+                workload, held_out, rank, world_size, step=step + 1, wall_s=wall_s
+            )
+            evals.append(point)
             # Every rank evaluated the same reduced losses, so every rank stops at the same step.
             fall = last_quarter_fall(evals) if spec.get("until_flat") else None
             if fall is not None and fall < spec["until_flat"] and step + 1 > steady_from + 1:
@@ -88,6 +100,8 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "wire_bytes_per_step": _mean_over_ranks(wire_bytes),
         "compute_s": compute_s,
         "evals": evals,
+        # The last evaluation's every prediction: comparisons paired over the same predictions.
+        "final_losses": final_losses,
         **_plan_made(installed),
     }
 
@@ -125,21 +139,26 @@ def _evaluate(
     world_size: int,
     step: int,
     wall_s: float,
-) -> dict[str, Any]:
-    """The held-out metric over all ranks' shards: each rank evaluates its own, sums are reduced."""
-    sums = workload.evaluate(model, rank, world_size)
+) -> tuple[dict[str, Any], list[float]]:
+    """The held-out metric over all ranks' shards (each rank evaluates its own, sums are reduced),
+    and every prediction's loss in held-out order (float32; on rank 0, [] elsewhere)."""
+    losses, correct = workload.heldout_losses(model, rank, world_size)
+    sums = heldout_sums(losses, correct, workload.counts_correct)
     keys = sorted(sums)
     totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(totals)
     total = dict(zip(keys, totals.tolist(), strict=True))
     mean = total["loss_sum"] / total["count"]
     variance = max(0.0, total["loss_sq_sum"] / total["count"] - mean**2)
-    # The mean's standard error over held-out predictions: the noise floor of a loss comparison
-    # (a bound: strategies evaluated on the same set differ by less than independent draws would).
+    # The mean's standard error over held-out predictions: how far another held-out draw could
+    # move this loss. Two runs' difference is judged by its own, paired, standard error
+    # (train.summarize), which the per-prediction losses make possible.
     point = {"step": step, "wall_s": wall_s, "loss": mean, "loss_se": math.sqrt(variance / total["count"])}
     if "correct" in total:
         point["accuracy"] = total["correct"] / total["count"]
-    return point
+    shards: list[Any] = [None] * world_size
+    dist.all_gather_object(shards, losses.float())  # shards are ordered by rank, as the held-out set
+    return point, torch.cat(shards).tolist() if rank == 0 else []
 
 
 def _compute_only(

@@ -10,7 +10,7 @@ import pytest
 from gradsync.bench import report, train
 
 # A small mlp-wide (one bucket of 32k parameters, enough to be compressed), so the run takes seconds.
-_SMALL = {"width": 160, "depth": 2, "features": 32, "classes": 10, "batch_size": 16}
+_SMALL = {"width": 160, "depth": 2, "features": 32, "classes": 10, "batch_size": 16, "eval_samples": 4096}
 
 
 # The scheme is pinned: "auto" decides from timed rounds, and on a loaded machine it may send this
@@ -46,7 +46,16 @@ def test_every_strategy_reports_its_measurements(document: dict):
         assert walls == sorted(walls) and walls[-1] == pytest.approx(sum(run["step_s"]))
         assert run["step_p90_s"] >= run["step_median_s"] > 0
         assert run["final_loss"] == run["evals"][-1]["loss"]
+        assert "final_losses" not in run  # every prediction's loss is compared, not published
     assert runs["ddp"]["step_speedup"] == 1.0
+    # The paired comparison is over the 4,096 predictions of both final models: its mean
+    # difference is the difference of the two final losses (up to float32 per prediction).
+    ddp_final = runs["ddp"]["final_loss"]
+    for strategy in ("torch-fp16", "torch-powersgd", TOPK, DILOCO):
+        run = runs[strategy]
+        assert run["final_vs_reference"] == pytest.approx(run["final_loss"] / ddp_final - 1, abs=1e-5)
+        assert run["final_vs_reference_se"] > 0
+    assert runs["ddp"]["final_vs_reference"] is None
 
 
 def test_same_seeds_and_data_give_the_same_trajectory_until_compression_starts(document: dict):
