@@ -220,19 +220,22 @@ def budget(
     return levels.Errors({spec: tuple(error(param, spec) for param in order) for spec in specs}, own)
 
 
-def copy_bandwidth(device: torch.device, numel: int = 1 << 23) -> float:
+def copy_bandwidth(device: torch.device, numel: int = 1 << 24) -> float:
     """Bytes per second one copy moves through memory (read and write), as the hook's copies of
-    a group out of DDP's buckets and back: the median of REPEATS copies of one half of a 32 MB
+    a group out of DDP's buckets and back: the median of REPEATS copies of one half of a 64 MB
     buffer into its other half.
 
-    32 MB, about one DDP bucket (25 MB), is past the caches as the hook's copies are. The buffer
-    is filled, not drawn, and is its own destination: with four ranks on two cores, a random
-    draw of 64 MB and a fresh 64 MB destination (the first touch of every page) took 1.2 s of
-    the measuring step, where the copies take milliseconds; the hook's buffers are warm.
+    32 MB read and 32 MB written, about a DDP bucket (25 MB) each way, go past this machine's
+    32 MiB cache as the hook's copies do (a larger cache would flatter the result). The buffer
+    is filled, not drawn, and is its own destination, written once before the timing: with four
+    ranks on two cores, a random draw of 64 MB and a fresh destination per copy (the first touch
+    of every page, which the hook's warm buffers do not pay) took 1.2 s of the measuring step.
     """
     x = torch.ones(numel, device=device)
     half = numel // 2
     source, destination = x[:half], x[half : 2 * half]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the fill is done before the first timing
     seconds = []
     for _ in range(REPEATS):
         started = time.perf_counter()

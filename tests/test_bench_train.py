@@ -168,27 +168,54 @@ def test_the_reference_curve_reports_its_noise_and_its_fall_over_the_last_quarte
 def test_paired_difference_is_the_mean_and_standard_error_of_per_prediction_differences():
     reference = [1.0, 2.0, 3.0, 2.0]
     losses = [1.5, 2.0, 3.5, 2.2]  # differences 0.5, 0, 0.5, 0.2: mean 0.3 over a mean loss of 2
-    difference, se = train.paired(losses, reference)
+    difference, se = train.paired_difference(losses, reference)
     assert difference == pytest.approx(0.3 / 2.0)
     assert se == pytest.approx(statistics.stdev([0.5, 0.0, 0.5, 0.2]) / 2 / 2.0)
     # Pairing: a model worse by the same amount on every prediction is known exactly, however
     # much the predictions themselves differ.
-    assert train.paired([x + 0.1 for x in reference], reference) == pytest.approx((0.05, 0.0))
-    assert train.paired(losses, reference[:3]) is None  # not the same predictions
-    assert train.paired(None, reference) is None
+    assert train.paired_difference([x + 0.1 for x in reference], reference) == pytest.approx((0.05, 0.0))
+    assert train.paired_difference(losses, reference[:3]) is None  # not the same predictions
+    assert train.paired_difference(None, reference) is None
+    assert train.paired_difference([1.0, float("nan"), 3.0, 2.0], reference) is None  # a diverged run
+    assert train.paired_difference(losses, [0.0] * 4) is None  # no loss to be relative to
 
 
 def test_summary_compares_each_final_loss_with_the_references_over_the_same_predictions():
     options = train.BenchOptions(strategies=("ddp", "topk"), steps=20)
     ddp, topk = _raw("ddp", 1.0, [3.0, 2.0, 1.0]), _raw("topk", 0.25, [3.0, 2.0, 1.1])
-    ddp["final_losses"], topk["final_losses"] = [0.5, 1.5, 1.0], [0.6, 1.6, 1.1]
+    ddp["final_prediction_losses"], topk["final_prediction_losses"] = [0.5, 1.5, 1.0], [0.6, 1.6, 1.1]
     runs = train.summarize([ddp, topk], {}, options)["runs"]
     assert runs[1]["final_vs_reference"] == pytest.approx(0.1)
     assert runs[1]["final_vs_reference_se"] == pytest.approx(0.0, abs=1e-12)
     assert runs[0]["final_vs_reference"] is None  # the reference itself
     # The per-prediction losses are used, not published.
-    assert all("final_losses" not in run for run in runs)
-    assert "+10.0% ± 0.0" in report.table({"meta": _document()["meta"], "runs": runs})
+    assert all("final_prediction_losses" not in run for run in runs)
+    text = report.table({"meta": _document()["meta"], "runs": runs})
+    assert "| final vs DDP |" in text and "+10.0% ± 0.0" in text
+    # A standard error of 0 (every prediction 0.1 worse) gives no tolerance "in errors" to print.
+    assert "Final vs DDP" not in text
+
+
+def test_the_caption_states_the_tolerance_in_the_largest_paired_standard_error():
+    document = _document()
+    document["runs"][1]["final_vs_reference"], document["runs"][1]["final_vs_reference_se"] = 0.01, 0.004
+    caption = report.conditions(document)
+    assert "the largest here is 0.40%, so the tolerance is at least 5.0 of them" in caption
+    document["runs"][1]["final_vs_reference_se"] = float("nan")  # a diverged run says nothing
+    assert "Final vs DDP" not in report.conditions(document)
+
+
+def test_documents_measured_before_the_paired_comparison_render_as_they_were():
+    text = report.table(_document())  # no run has final_vs_reference
+    header = text.splitlines()[0]
+    assert "final vs" not in header and header.count("|") == 12
+
+
+def test_a_schedule_longer_than_the_runs_is_stated():
+    document = _document()
+    assert "schedule spans" not in report.conditions(document)
+    document["meta"]["schedule_steps"] = 60  # until_flat stopped the runs at 20
+    assert "20 steps (its learning-rate schedule spans 60)" in report.conditions(document)
 
 
 def test_a_run_that_never_reaches_the_target_has_no_time_to_target():

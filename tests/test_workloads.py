@@ -12,7 +12,7 @@ from torch import nn
 
 from gradsync import workloads
 from gradsync.workloads import corpus
-from gradsync.workloads.base import epoch_indices, flat_cross_entropy, shard_bounds
+from gradsync.workloads.base import Workload, epoch_indices, flat_cross_entropy, heldout_sums, shard_bounds
 
 # Small options per workload, so the whole file runs in seconds; every registered workload needs
 # an entry (test_every_workload_has_small_options).
@@ -125,7 +125,12 @@ def test_batch_rejects_a_rank_outside_the_world(name: str) -> None:
     with pytest.raises(ValueError, match="rank=2 is out of range"):
         w.batch(0, rank=2, world_size=2)
     with pytest.raises(ValueError, match="world_size=0 is out of range"):
-        w.evaluate(w.model(), rank=0, world_size=0)
+        evaluate(w, w.model(), rank=0, world_size=0)
+
+
+def evaluate(w: Workload, model: torch.nn.Module, rank: int, world_size: int) -> dict[str, float]:
+    """The held-out totals of rank's shard, as the benchmark's worker sums them."""
+    return heldout_sums(*w.heldout_losses(model, rank, world_size), counts_correct=w.counts_correct)
 
 
 # --- the contract, over the whole registry -------------------------------------------------------
@@ -157,7 +162,7 @@ def test_leaves_the_global_rng_alone(name: str) -> None:
     before = torch.get_rng_state()
     model = w.model()
     w.batch(3, 1, 2)
-    w.evaluate(model, 0, 1)
+    evaluate(w, model, 0, 1)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -191,14 +196,14 @@ def test_rank_shards_tile_the_global_batch(name: str, world_size: int) -> None:
 def test_evaluation_shards_partition_the_heldout_set(name: str) -> None:
     w = small(name)
     model = w.model()
-    whole = w.evaluate(model, 0, 1)
+    whole = evaluate(w, model, 0, 1)
     # gpt-tiny predicts every position of a window, the others one target per sample.
     predictions_per_sample = SMALL[name]["context"] if name == "gpt-tiny" else 1
     assert whole["count"] == w.heldout_size * predictions_per_sample
     assert math.isfinite(whole["loss_sum"]) and whole["loss_sum"] > 0
     assert ("correct" in whole) == w.counts_correct
     for world_size in (2, 3, 7):
-        shards = [w.evaluate(model, rank, world_size) for rank in range(world_size)]
+        shards = [evaluate(w, model, rank, world_size) for rank in range(world_size)]
         for key, total in whole.items():
             assert sum(s[key] for s in shards) == pytest.approx(total, rel=1e-5), key
 
@@ -210,7 +215,7 @@ def test_heldout_losses_of_the_shards_in_rank_order_are_the_whole_sets(name: str
     w = small(name)
     model = w.model()
     whole, correct = w.heldout_losses(model, 0, 1)
-    assert whole.dtype == torch.float64 and whole.numel() == w.evaluate(model, 0, 1)["count"]
+    assert whole.dtype == torch.float64 and whole.numel() == evaluate(w, model, 0, 1)["count"]
     for world_size in (2, 3):
         shards = [w.heldout_losses(model, rank, world_size) for rank in range(world_size)]
         assert torch.allclose(torch.cat([losses for losses, _ in shards]), whole, rtol=1e-5)
@@ -247,23 +252,23 @@ def test_shard_bounds_are_disjoint_and_cover_everything() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_evaluate_runs_without_grad_in_eval_mode_and_restores_the_mode(name: str) -> None:
+def test_heldout_losses_run_without_grad_in_eval_mode_and_restore_the_mode(name: str) -> None:
     w = small(name)
     probe = Probe(w.model())
     probe.train()
-    w.evaluate(probe, 0, 1)
+    evaluate(w, probe, 0, 1)
     assert probe.calls and set(probe.calls) == {(False, False)}
     assert all(m.training for m in probe.modules())
     probe.eval()
-    w.evaluate(probe, 0, 1)
+    evaluate(w, probe, 0, 1)
     assert not any(m.training for m in probe.modules())
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_evaluate_sums_the_squared_losses_for_the_standard_error(name: str) -> None:
+def test_heldout_sums_add_the_squared_losses_for_the_standard_error(name: str) -> None:
     w = small(name)
     model = w.model()
-    sums = w.evaluate(model, 0, 1)
+    sums = evaluate(w, model, 0, 1)
     inputs, targets = w.heldout_samples(torch.arange(w.heldout_size))
     with torch.no_grad():
         losses = flat_cross_entropy(model(inputs), targets, reduction="none").double()

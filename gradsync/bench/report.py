@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -14,12 +15,14 @@ from ..profile import machine
 
 
 def table(document: dict[str, Any]) -> str:
-    """The comparison as a Markdown table, one row per strategy, with the run's conditions."""
+    """The comparison as a Markdown table, one row per strategy, with the run's conditions. The
+    paired "final vs DDP" column appears where the runs measured it (documents since 02b3401)."""
+    paired = any(r.get("final_vs_reference") is not None for r in document["runs"])
+    versus = f" final vs {reference_name(document['meta'])} |" if paired else ""
     lines = [
         "| strategy | step median (s) | step p90 (s) | speed-up | samples/s | MB sent/step | "
-        f"peak MB/step | wire MB/step | final eval loss | final vs {reference_name(document['meta'])} | "
-        "time to target (s) | TTT speed-up |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"peak MB/step | wire MB/step | final eval loss |{versus} time to target (s) | TTT speed-up |",
+        "|---|" + "---:|" * (11 if paired else 10),
     ]
     steady = document["meta"]["steady_from"]
     for r in document["runs"]:
@@ -29,8 +32,8 @@ def table(document: dict[str, Any]) -> str:
         lines.append(
             f"| {r['label']} | {r['step_median_s']:.3f} | {r['step_p90_s']:.3f} | "
             f"{_times(r.get('step_speedup'))} | {r['samples_per_s']:.1f} | {r['bytes_per_step'] / 1e6:.2f} | "
-            f"{peak / 1e6:.2f} | {wire} | {r['final_loss']:.4f} | {_versus(r)} | {ttt} | "
-            f"{_times(r.get('time_to_target_speedup'))} |"
+            f"{peak / 1e6:.2f} | {wire} | {r['final_loss']:.4f} |{f' {_versus(r)} |' if paired else ''} "
+            f"{ttt} | {_times(r.get('time_to_target_speedup'))} |"
         )
     return "\n".join(lines) + "\n\n" + conditions(document)
 
@@ -84,19 +87,26 @@ def conditions(document: dict[str, Any]) -> str:
             f"{curve['final_se']:.4f} over the held-out predictions: the tolerance is "
             f"{meta['tolerance'] * curve['final_loss'] / curve['final_se']:.1f} of them."
         )
-    paired = [r["final_vs_reference_se"] for r in document["runs"] if r.get("final_vs_reference_se")]
-    if paired:
+    paired = [
+        se
+        for r in document["runs"]
+        if (se := r.get("final_vs_reference_se")) is not None and math.isfinite(se)
+    ]
+    if paired and max(paired) > 0:
         noise += (
-            f" final vs {ddp}: a run's final loss minus {ddp}'s, in % of {ddp}'s, ± the standard "
+            f" Final vs {ddp}: a run's final loss minus {ddp}'s, in % of {ddp}'s, ± the standard "
             "error of that difference over the same held-out predictions (paired: what both models "
-            f"get wrong alike cancels), here {100 * min(paired):.1f} to {100 * max(paired):.1f}%: "
-            f"the tolerance is {meta['tolerance'] / max(paired):.1f} to "
-            f"{meta['tolerance'] / min(paired):.1f} of them."
+            f"get wrong alike cancels); the largest here is {100 * max(paired):.2f}%, so the "
+            f"tolerance is at least {meta['tolerance'] / max(paired):.1f} of them."
         )
     if curve.get("last_quarter_fall") is not None:
         noise += f" Over its last quarter of steps {ddp}'s loss fell {100 * curve['last_quarter_fall']:.1f}%."
+    schedule = meta.get("schedule_steps")
+    stopped = (
+        f" (its learning-rate schedule spans {schedule})" if schedule and schedule != options["steps"] else ""
+    )
     return (
-        f"{meta['workload_description']}; {options['world_size']} ranks, {options['steps']} steps, "
+        f"{meta['workload_description']}; {options['world_size']} ranks, {options['steps']} steps{stopped}, "
         f"{options['threads']} torch thread(s) per rank, on {meta['machine']['cores']} cores. "
         f"Network: {network['description']}{probe}. Step times and bytes count the "
         f"{options['steps'] - meta['steady_from']} steps from step {meta['steady_from']} on (after the "

@@ -167,6 +167,9 @@ def run(options: BenchOptions, network: Network, progress: bool = True) -> dict[
         "workload_description": workload.describe(),
         "params": workload.num_params(),
         "options": asdict(options),
+        # The learning-rate schedule's length: the steps asked for, also where until_flat stopped
+        # the runs sooner (options.steps then says where).
+        "schedule_steps": schedule_steps,
         "network": network.to_dict(),
         **made,
     }
@@ -180,13 +183,13 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
     `options.steady_from`). The target is the reference run's (DDP's, else FSDP2's own) final
     held-out loss times (1 + tolerance); a run reaches it at its first evaluation at or below it,
     and its time-to-target is the training wall-clock time of that evaluation. Each run's final
-    loss is compared with the reference's over the same held-out predictions (`paired`); the
-    per-prediction losses are not kept in the document.
+    loss is compared with the reference's over the same held-out predictions
+    (`paired_difference`); the per-prediction losses are not kept in the document.
     """
     references = [r for r in raw if strategies.parse(r["strategy"]).is_reference]
     reference = min(references, key=lambda r: strategies.parse(r["strategy"]).kind != "ddp", default=None)
     target = reference["evals"][-1]["loss"] * (1 + options.tolerance) if reference else None
-    reference_losses = reference.get("final_losses") if reference else None
+    reference_losses = reference.get("final_prediction_losses") if reference else None
     runs = []
     for r in raw:
         steady = r["step_s"][options.steady_from :]
@@ -195,10 +198,12 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
         compute = statistics.median(r["compute_s"])
         compression_s = statistics.median(compression) if compression else None
         reached = next((e for e in r["evals"] if target is not None and e["loss"] <= target), None)
-        versus = paired(r.get("final_losses"), reference_losses) if r is not reference else None
+        versus = (
+            None if r is reference else paired_difference(r.get("final_prediction_losses"), reference_losses)
+        )
         runs.append(
             {
-                **{k: v for k, v in r.items() if k != "final_losses"},
+                **{k: v for k, v in r.items() if k != "final_prediction_losses"},
                 "step_median_s": step_median,
                 "step_p90_s": quantile(steady, 0.9),
                 # Throughput and bytes are means: a strategy that syncs every H steps (DiLoCo) has
@@ -240,19 +245,26 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
     return {"meta": meta, "runs": runs}
 
 
-def paired(losses: Sequence[float] | None, reference: Sequence[float] | None) -> tuple[float, float] | None:
+def paired_difference(
+    losses: Sequence[float] | None, reference: Sequence[float] | None
+) -> tuple[float, float] | None:
     """How much higher one model's held-out loss is than the reference's, relative to the
     reference's, and the standard error of that, over the same predictions: the mean and the
     standard error of the per-prediction differences, each divided by the reference's mean loss.
 
     Pairing removes what the two models share (the same hard predictions), which independent
-    held-out draws would not; None where either has no per-prediction losses, or they differ in
-    number (not the same predictions).
+    held-out draws would not. None where either has no per-prediction losses, they differ in
+    number (not the same predictions), any is not finite (a diverged run), or the reference's
+    mean is not positive.
     """
     if not losses or not reference or len(losses) != len(reference) or len(losses) < 2:
         return None
-    difference = [a - b for a, b in zip(losses, reference, strict=True)]
+    if not all(math.isfinite(x) for x in losses) or not all(math.isfinite(x) for x in reference):
+        return None
     scale = statistics.fmean(reference)
+    if scale <= 0:
+        return None
+    difference = [a - b for a, b in zip(losses, reference, strict=True)]
     se = statistics.stdev(difference) / math.sqrt(len(difference))
     return statistics.fmean(difference) / scale, se / scale
 

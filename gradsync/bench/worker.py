@@ -47,7 +47,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     schedule = workload.recommended_schedule(optimizer, spec["schedule_steps"])
     tx = TxCounter(os.environ.get("GLOO_SOCKET_IFNAME"))
 
-    first, final_losses = _evaluate(
+    first, last_losses = _evaluate(
         workload, _held_out_model(model, installed), rank, world_size, step=0, wall_s=0.0
     )
     evals = [first]
@@ -55,6 +55,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     sent_nbytes: list[int] = []
     compression_s: list[float | None] = []
     wall_s = 0.0  # training time only: evaluations are not on the clock
+    lr_last = optimizer.param_groups[0]["lr"]
     dist.barrier()  # start every rank's clock together
     for step in range(steps):
         if step == steady_from:
@@ -64,6 +65,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         loss = workload.loss(model, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        lr_last = optimizer.param_groups[0]["lr"]  # the rate this step takes
         optimizer.step()
         if schedule is not None:
             schedule.step()
@@ -76,9 +78,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
             print(json.dumps({"step": step + 1, "step_s": elapsed, "loss": loss.item()}), flush=True)
         if (step + 1) % spec["eval_every"] == 0 or step + 1 == steps:
             held_out = _held_out_model(model, installed)
-            point, final_losses = _evaluate(
-                workload, held_out, rank, world_size, step=step + 1, wall_s=wall_s
-            )
+            point, last_losses = _evaluate(workload, held_out, rank, world_size, step=step + 1, wall_s=wall_s)
             evals.append(point)
             # Every rank evaluated the same reduced losses, so every rank stops at the same step.
             fall = last_quarter_fall(evals) if spec.get("until_flat") else None
@@ -86,6 +86,10 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
                 steps = step + 1
                 break
     wire_bytes = tx.per_step(steps - steady_from)
+    # The last evaluation's every prediction, in held-out order, for comparisons paired over the
+    # same predictions (train.paired_difference); gathered once, after the wire count.
+    shards: list[Any] = [None] * world_size if rank == 0 else []
+    dist.gather_object(last_losses, shards if rank == 0 else None, dst=0)
     if installed.diloco is not None:
         installed.diloco.close()  # the compute-only probe below must not sync
     compute_s = _compute_only(workload, model, optimizer, rank, world_size, steps, spec["probe_steps"])
@@ -100,8 +104,8 @@ def train(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
         "wire_bytes_per_step": _mean_over_ranks(wire_bytes),
         "compute_s": compute_s,
         "evals": evals,
-        # The last evaluation's every prediction: comparisons paired over the same predictions.
-        "final_losses": final_losses,
+        "final_prediction_losses": torch.cat(shards).tolist() if rank == 0 else [],
+        "lr_last": lr_last,
         **_plan_made(installed),
     }
 
@@ -139,9 +143,9 @@ def _evaluate(
     world_size: int,
     step: int,
     wall_s: float,
-) -> tuple[dict[str, Any], list[float]]:
+) -> tuple[dict[str, Any], torch.Tensor]:
     """The held-out metric over all ranks' shards (each rank evaluates its own, sums are reduced),
-    and every prediction's loss in held-out order (float32; on rank 0, [] elsewhere)."""
+    and this rank's shard's per-prediction losses (float32, which they were computed in)."""
     losses, correct = workload.heldout_losses(model, rank, world_size)
     sums = heldout_sums(losses, correct, workload.counts_correct)
     keys = sorted(sums)
@@ -156,9 +160,7 @@ def _evaluate(
     point = {"step": step, "wall_s": wall_s, "loss": mean, "loss_se": math.sqrt(variance / total["count"])}
     if "correct" in total:
         point["accuracy"] = total["correct"] / total["count"]
-    shards: list[Any] = [None] * world_size
-    dist.all_gather_object(shards, losses.float())  # shards are ordered by rank, as the held-out set
-    return point, torch.cat(shards).tolist() if rank == 0 else []
+    return point, losses.float()
 
 
 def _compute_only(

@@ -93,7 +93,10 @@ def flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: s
 
 
 def heldout_sums(losses: torch.Tensor, correct: int, counts_correct: bool) -> dict[str, float]:
-    """Workload.evaluate's sums of a shard's per-prediction `losses` and `correct` count."""
+    """What a shard's evaluation adds to the held-out totals, from its per-prediction `losses` and
+    `correct` count (Workload.heldout_losses): loss_sum, loss_sq_sum (of the squared losses, for
+    the mean's standard error), count (predictions) and, for classifiers, correct. Sum them over
+    ranks, then divide by the summed count."""
     sums = {
         "loss_sum": losses.sum().item(),
         "loss_sq_sum": losses.square().sum().item(),
@@ -128,9 +131,9 @@ class Workload(abc.ABC):
 
     name: ClassVar[str]
     metric: ClassVar[str] = "loss"  # held-out cross-entropy per prediction, lower is better
-    # Classifiers also count correct predictions in evaluate(); the LMs do not.
+    # Classifiers also count correct predictions in heldout_losses(); the LMs do not.
     counts_correct: ClassVar[bool] = False
-    # Held-out samples per forward pass in evaluate(): bounds the activation memory.
+    # Held-out samples per forward pass in heldout_losses(): bounds the activation memory.
     eval_chunk: ClassVar[int] = 256
 
     def __init__(self, seed: int, batch_size: int) -> None:
@@ -159,7 +162,7 @@ class Workload(abc.ABC):
     @property
     @abc.abstractmethod
     def heldout_size(self) -> int:
-        """Number of held-out samples; evaluate() covers indices 0 .. heldout_size - 1."""
+        """Number of held-out samples; heldout_losses() covers indices 0 .. heldout_size - 1."""
 
     @abc.abstractmethod
     def heldout_samples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,8 +205,9 @@ class Workload(abc.ABC):
         return None
 
     def heldout_losses(self, model: nn.Module, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
-        """Rank's disjoint shard of the held-out set, evaluated: every prediction's loss (float64,
-        in held-out order) and, for classifiers, how many predictions were correct (else 0).
+        """Rank's disjoint shard of the held-out set, evaluated: every prediction's loss (float64
+        holding the float32 values computed, in held-out order) and, for classifiers, how many
+        predictions were correct (else 0). heldout_sums() turns them into the held-out totals.
 
         Runs under no_grad in eval mode and restores the model's mode after. The number of
         forward passes differs between ranks when the shards do, so pass the bare module
@@ -229,16 +233,15 @@ class Workload(abc.ABC):
             model.train(was_training)
         return torch.cat(losses), correct
 
-    def evaluate(self, model: nn.Module, rank: int, world_size: int) -> dict[str, float]:
-        """Sums over rank's shard of the held-out set (heldout_losses): loss_sum, loss_sq_sum (of
-        the squared per-prediction losses, for the mean's standard error), count (predictions)
-        and, for classifiers, correct. Sum them over ranks, then divide by the summed count."""
-        return heldout_sums(*self.heldout_losses(model, rank, world_size), counts_correct=self.counts_correct)
+    def schedule_summary(self) -> str:
+        """A few words on recommended_schedule, for describe(); "" for a constant rate."""
+        return ""
 
     def describe(self) -> str:
+        schedule = f"; {self.schedule_summary()}" if self.schedule_summary() else ""
         return (
             f"{self.name}: {self.num_params():,} parameters; {self.data_summary()}; "
-            f"batch {self.batch_size} per rank; seed {self.seed}"
+            f"batch {self.batch_size} per rank{schedule}; seed {self.seed}"
         )
 
     def __repr__(self) -> str:

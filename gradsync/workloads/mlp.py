@@ -140,6 +140,9 @@ class MlpWide(Workload):
             optimizer, T_max=check_int("steps", steps, 1, why="the run's optimizer steps")
         )
 
+    def schedule_summary(self) -> str:
+        return f"learning rate {self.recommended_lr:g} decayed by a cosine to 0 over the run"
+
     def data_summary(self) -> str:
         return (
             f"{self.classes}-class Gaussian mixture in {self.features} dimensions, "
