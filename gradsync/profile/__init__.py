@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -365,10 +366,44 @@ def _default_name(module: nn.Module, meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    """The machine a measurement ran on: CPU, cores, Python and torch versions."""
+    """The machine a measurement ran on: CPU (its model and one core's matrix-multiply speed, so
+    that numbers taken on two machines of one name can be told apart), cores, Python and torch
+    versions."""
     return {
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "matmul_gflops_1_thread": round(matmul_gflops(), 1),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as info:
+            models = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+            return next(models, None)
+    except OSError:  # not Linux
+        return None
+
+
+def matmul_gflops(n: int = 512, repeats: int = 20) -> float:
+    """fp32 GFLOP/s of one CPU thread multiplying n x n matrices: the best of `repeats`.
+
+    A benchmark of CPU-bound steps (4 ranks sharing 2 cores) moves with it: on two machines of
+    one kind, "x86_64" with 2 cores both, the same code's int4 step on the testbed differed by
+    20% (0.436 and 0.529 s), and nothing in their records said why.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.ones(n, n)
+        best = math.inf
+        for _ in range(repeats):
+            started = time.perf_counter()
+            torch.mm(a, a)
+            best = min(best, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n**3 / best / 1e9

@@ -54,10 +54,10 @@ class MlpWide(Workload):
     visited in seeded epochs; the held-out set is the next `eval_samples`.
 
     The held-out set is large because per-prediction losses here are heavy-tailed (a standard
-    deviation of about 0.55 at a mean of 0.19): over 4,096 samples the mean's standard error was
-    4.5% of it, above the benchmark's 2% tolerance; over 32,768 it is 1.6%. The training
-    benchmark also gives each run's difference from DDP's with its standard error over the same
-    predictions.
+    deviation of about 0.56 at a mean of 0.198, DDP's final in `make bench-train` at 197910b):
+    over 4,096 samples the mean's standard error would be 4.4% of it, above the benchmark's 2%
+    tolerance; over 32,768 it was 1.6%. Runs are told apart by their paired difference over the
+    same predictions, whose standard error there was 0.3 to 0.8%.
 
     The default shape, 3 hidden layers of 3072 (20.8M parameters), is shallow on purpose: at
     width 2048, 20M parameters take 6 hidden layers, and after 300 steps of SGD with momentum
@@ -129,12 +129,11 @@ class MlpWide(Workload):
     ) -> torch.optim.lr_scheduler.LRScheduler:
         """Cosine decay from recommended_lr to 0 over the run, as runs trained to a budget are.
 
-        At a constant rate the held-out loss swings by a tenth or more between evaluations 25
-        steps apart (0.474, 0.609, 0.436 at steps 225 to 275), so "the first evaluation within
-        2% of DDP's final loss" was decided by where a swing fell. Decayed, the last evaluations
-        settle (0.195, 0.191, 0.189 at steps 350 to 400; seed 1 ends at 0.191), at a loss the
-        constant rate first evaluates below after 775 steps. (One process, batch 64, as 4 ranks
-        of 16 train it.)
+        At a constant rate DDP's held-out loss swung by a tenth or more between evaluations 25
+        steps apart (0.474, 0.609, 0.436 at steps 225 to 275 in `make bench-train` at ffc0156),
+        so "the first evaluation within 2% of DDP's final loss" was decided by where a swing fell.
+        Decayed, the last evaluations settle (0.2049, 0.1990, 0.1976 at steps 350 to 400, at
+        197910b), at a lower loss than the constant rate's 0.3273 after as many steps.
         """
         return torch.optim.lr_scheduler.CosineAnnealingLR(
             optimizer, T_max=check_int("steps", steps, 1, why="the run's optimizer steps")
