@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -305,3 +306,20 @@ def test_collectives_may_name_their_dtype() -> None:
 def test_a_world_of_one_measures_no_contention() -> None:
     model = mlp(layers=2)
     assert profile.measure_contention(model, step_fn(model), LocalComm()) == {}
+
+
+def test_matmul_speed_is_one_threads_and_leaves_the_thread_count_as_it_was():
+    threads = torch.get_num_threads()
+    gflops = profile.matmul_gflops(n=128, repeats=3)
+    assert torch.get_num_threads() == threads
+    # A 128 x 128 product is 4.2 MFLOP; any CPU that runs this suite does it in under a second
+    # and no faster than a few TFLOP/s on one thread.
+    assert 0.004 < gflops < 5000
+
+
+def test_a_benchmarks_provenance_names_the_cpu_and_its_speed():
+    from gradsync.bench import report
+
+    made = report.provenance()["machine"]
+    assert made["cores"] == os.cpu_count() and made["matmul_gflops_1_thread"] > 0
+    assert "cpu_model" in made

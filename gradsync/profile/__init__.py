@@ -366,13 +366,12 @@ def _default_name(module: nn.Module, meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    """The machine a measurement ran on: CPU (its model and one core's matrix-multiply speed, so
-    that numbers taken on two machines of one name can be told apart), cores, Python and torch
-    versions."""
+    """The machine a measurement ran on: CPU (and its model name), cores, Python and torch
+    versions; the same on every rank of one machine (benchmarks add its measured speed,
+    matmul_gflops)."""
     return {
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
-        "matmul_gflops_1_thread": round(matmul_gflops(), 1),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
