@@ -191,7 +191,7 @@ def test_summary_compares_each_final_loss_with_the_references_over_the_same_pred
     # The per-prediction losses are used, not published.
     assert all("final_prediction_losses" not in run for run in runs)
     text = report.table({"meta": _document()["meta"], "runs": runs})
-    assert "| final vs DDP |" in text and "+10.0% ± 0.0" in text
+    assert "| final vs DDP |" in text and "+10.0% ± 0.00" in text
     # A standard error of 0 (every prediction 0.1 worse) gives no tolerance "in errors" to print.
     assert "Final vs DDP" not in text
 

@@ -221,7 +221,7 @@ def plots(document: dict[str, Any], out_dir: Path) -> list[Path]:
 def _versus(run: dict[str, Any]) -> str:
     """The final loss against the reference's, in percent, with its paired standard error."""
     difference, se = run.get("final_vs_reference"), run.get("final_vs_reference_se")
-    return "-" if difference is None else f"{100 * difference:+.1f}% ± {100 * se:.1f}"
+    return "-" if difference is None else f"{100 * difference:+.1f}% ± {100 * se:.2f}"
 
 
 def _times(value: float | None) -> str:
