@@ -60,12 +60,16 @@ class CompressionPoint:
     numel: int
     codec: Compressor
     feedback: Feedback
+    # The group's parameters (positions in model.parameters()) where known: the shapes the codec
+    # was told (uses_shapes), told again on restore.
+    params: tuple[int, ...] | None = None
     # Two-shot with error feedback: the memory of re-encoding the shard this rank owns.
     shard_error: torch.Tensor | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "numel": self.numel,
+            "params": None if self.params is None else list(self.params),
             "codec": self.codec.state_dict(),
             "feedback": self.feedback.state_dict(),
             "shard_error": None if self.shard_error is None else self.shard_error.clone(),
@@ -182,7 +186,8 @@ class SyncState:
         stay untouched until the future completes. `compress` False: exchanged uncompressed (a
         warm-up step, DDP's first buckets). `is_last`: the step's last group; the step is counted.
         `params`: the group's parameters (positions in model.parameters()) in buffer order, where
-        known: an embedding table among them may go as rows. `drain` False: at the step's last
+        known: an embedding table among them may go as rows, and PowerSGD approximates each weight
+        as its own matrix. `drain` False: at the step's last
         group, return while collectives that wait on one another may still be issuing from the
         lane's thread, for a caller that issues no collective of its own until the future is done
         (DiLoCo overlapping an exchange with inner steps).
@@ -323,7 +328,7 @@ class SyncState:
                 "gradsync: compressing from step %d on, %s first: %s by %s",
                 *(step, _key(self.plan is not None, group), strategy.text, strategy.collective),
             )
-        point = self._point(group, x)
+        point = self._point(group, x, params)
         # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
         # payload carries NaN and inf by itself: no check, no flag (as PyTorch's fp16 hook).
         guard = not (
@@ -555,10 +560,10 @@ class SyncState:
             "--max-restarts restarts them)."
         )
 
-    def _point(self, group: int, x: torch.Tensor) -> CompressionPoint:
+    def _point(self, group: int, x: torch.Tensor, params: Sequence[int] | None = None) -> CompressionPoint:
         point = self.points.get(group)
         if point is None:
-            point = self.points[group] = self._new_point(group, x.numel())
+            point = self.points[group] = self._new_point(group, x.numel(), params)
         elif point.numel != x.numel():
             raise ValueError(
                 f"gradsync group {group} has {x.numel()} elements but its state was made for "
@@ -567,16 +572,22 @@ class SyncState:
             )
         return point
 
-    def _new_point(self, group: int, numel: int) -> CompressionPoint:
-        """A fresh point: config.compressor for a bucket, the strategy's codec for a plan group."""
+    def _new_point(self, group: int, numel: int, params: Sequence[int] | None) -> CompressionPoint:
+        """A fresh point: config.compressor for a bucket, the strategy's codec for a plan group;
+        told the shapes of the group's parameters where known and the codec uses them."""
         if self.plan is None:
             name, args = self.config.compressor, dict(self.config.compressor_args)
         else:
             strategy = self._strategies[group]
             name, args = strategy.codec, dict(strategy.args)
         rank = self._comm().rank if lookup(name).randomness == "local" else 0
-        seed = _derive_seed(self.config.seed, group, rank)
-        return CompressionPoint(numel, build_codec(name, args, seed), self.config.build_feedback(name))
+        codec = build_codec(name, args, seed=_derive_seed(self.config.seed, group, rank))
+        shapes = [self._param_shapes[param] for param in params or ()] if self._param_shapes else []
+        shaped = type(codec).uses_shapes and bool(shapes) and sum(s.numel() for s in shapes) == numel
+        if shaped:
+            codec.use_shapes(shapes)  # PowerSGD: each weight as its own matrix
+        params = tuple(params) if shaped and params is not None else None
+        return CompressionPoint(numel, codec, self.config.build_feedback(name), params)
 
     def _check_ranks_agree(self, device: torch.device) -> None:
         """Fail on every rank, with the same message, when ranks were configured differently.
@@ -614,7 +625,9 @@ class SyncState:
         self.step = state["step"]
         self.points = {}
         for index, saved in state["points"].items():
-            point = self._new_point(int(index), saved["numel"])
+            # Checkpoints before shaped codecs name no params: their codecs saw flat groups.
+            params = saved.get("params")
+            point = self._new_point(int(index), saved["numel"], None if params is None else tuple(params))
             point.codec.load_state_dict(saved["codec"])
             point.feedback.load_state_dict(saved["feedback"])
             point.shard_error = saved.get("shard_error")  # absent from checkpoints before two-shot

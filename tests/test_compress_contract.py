@@ -584,11 +584,68 @@ def test_powersgd_reconstructs_a_square_matrix_of_rank_at_most_its_rank() -> Non
     assert float((rank1 - x).norm()) > 1e-2 * float(x.norm())  # rank 1 cannot: the check has teeth
 
 
-def test_powersgd_rounds_over_simulated_ranks_decode_to_the_sum_of_inputs() -> None:
-    numel, world_size = 50, 3
-    rows, cols = powersgd_dims(numel)
-    codecs = [compress.build("powersgd", rank=min(rows, cols), seed=9) for _ in range(world_size)]
-    xs = [randn(numel, seed=r) for r in range(world_size)]
+# A group as the hook hands it over: two weights of rank 2, a bias between them, and a matrix too
+# thin for a rank-2 pair to shrink (3 x 2: 2 * 2 * (3 + 2) > 6): PowerSGD sends those two exactly.
+SHAPES = [torch.Size((40, 24)), torch.Size((12,)), torch.Size((3, 2)), torch.Size((24, 4, 10))]
+
+
+def shaped_group(seed: int) -> torch.Tensor:
+    """Weights of exactly rank 2 as their matrices (the last one's (24, 40) view), the rest at random."""
+    parts = []
+    for i, shape in enumerate(SHAPES):
+        if shape.numel() > 6:
+            rows = shape[0]
+            cols = shape.numel() // rows
+            parts.append(randn(rows, 2, seed=seed + 10 * i) @ randn(2, cols, seed=seed + 10 * i + 1))
+        else:
+            parts.append(randn(shape.numel(), seed=seed + 10 * i))
+    return torch.cat([part.reshape(-1) for part in parts])
+
+
+def shaped_powersgd(rank: int, seed: int = 3) -> compress.Compressor:
+    codec = compress.build("powersgd", rank=rank, seed=seed)
+    codec.use_shapes(SHAPES)
+    return codec
+
+
+def test_powersgd_given_shapes_approximates_each_weight_as_its_own_matrix() -> None:
+    x = shaped_group(seed=1)
+    y = round_trip(shaped_powersgd(rank=2), x)
+    torch.testing.assert_close(y, x, rtol=0, atol=1e-4 * float(x.abs().max()))
+    # The bias and the thin matrix are sent as they are.
+    assert torch.equal(y[960:978], x[960:978])
+    # The same group as one near-square matrix mixes the weights: rank 2 cannot hold it.
+    flat = round_trip(compress.build("powersgd", rank=2, seed=3), x)
+    assert float((flat - x).norm()) > 0.1 * float(x.norm())
+    # Nor can rank 1 per weight: the first check has teeth.
+    rank1 = round_trip(shaped_powersgd(rank=1), x)
+    assert float((rank1 - x).norm()) > 1e-2 * float(x.norm())
+
+
+def test_powersgd_given_shapes_sends_factors_of_each_weight_and_the_rest_exactly() -> None:
+    codec = shaped_powersgd(rank=2)
+    x = shaped_group(seed=2)
+    (p, q), _ = codec.compress(x)
+    factors = 2 * ((40 + 24) + (24 + 40))  # rank 2 (rows + cols) per weight
+    assert p.numel() + q.numel() == factors + 12 + 6
+    assert codec.payload_bytes(x.numel()) == 4 * (factors + 12 + 6)
+    # Shapes that do not add up to the input: viewed as one near-square matrix, as without shapes.
+    rows, cols = powersgd_dims(x.numel() + 1)
+    assert codec.payload_bytes(x.numel() + 1) == 4 * 2 * (rows + cols)
+
+
+@pytest.mark.parametrize("shaped", (False, True), ids=("near-square", "shaped"))
+def test_powersgd_rounds_over_simulated_ranks_decode_to_the_sum_of_inputs(shaped: bool) -> None:
+    world_size = 3
+    if shaped:  # the sum of three ranks' rank-2 weights has rank 6
+        codecs = [shaped_powersgd(rank=6, seed=9) for _ in range(world_size)]
+        xs = [shaped_group(seed=r) for r in range(world_size)]
+        numel = xs[0].numel()
+    else:
+        numel = 50
+        rows, cols = powersgd_dims(numel)
+        codecs = [compress.build("powersgd", rank=min(rows, cols), seed=9) for _ in range(world_size)]
+        xs = [randn(numel, seed=r) for r in range(world_size)]
     begun = [c.begin(x) for c, x in zip(codecs, xs, strict=True)]
     p_sum = (sum(p for (p,), _ in begun),)
     second = [c.next_round(p_sum, ctx) for c, (_, ctx) in zip(codecs, begun, strict=True)]

@@ -162,3 +162,15 @@ def test_the_budget_is_the_users_own_level_on_every_gradient_in_the_planners_ord
         assert errors.by_spec["int4"][0] == 0.0 and errors.by_spec["int8"][0] == math.inf
         assert errors.budget == pytest.approx(measured[0]["int4"])
         assert errors.fits("int4", [0, 1]) and not errors.fits("int8", [0, 1]) and errors.fits("fp16", [0])
+
+
+def test_powersgd_levels_are_measured_on_each_gradient_as_its_own_matrix() -> None:
+    # A (40, 30) gradient of rank 2: rank 2 holds it whole as its matrix, as the hook compresses
+    # it; a near-square view of its 1,200 elements (35 x 35) would not.
+    g = torch.Generator().manual_seed(1)
+    gradient = torch.randn(40, 2, generator=g) @ torch.randn(2, 30, generator=g)
+    config = SyncConfig(compressor="powersgd", compressor_args={"rank": 2}, plan="auto")
+    measured = tuner.error_levels({0: gradient}, config)[0]
+    total = float(gradient.square().sum())
+    assert measured["powersgd:rank=2"] < 1e-8 * total
+    assert measured["powersgd:rank=1"] > 1e-3 * total

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -44,6 +45,9 @@ class Compressor:
       fuses_feedback  compress_corrected encodes base + alpha * g and leaves what it lost in
                  the caller's buffer in one pass: residual error feedback's add, encode and
                  residual, otherwise three full-size passes (absmax's int8 and int4).
+      uses_shapes  the hook tells it the shapes of the tensors a group holds, in buffer order
+                 (use_shapes), and it compresses each by its own shape: PowerSGD approximates
+                 each weight as its own matrix.
       majority_vote  the payload is one sign bit per element, and ranks combine by majority
                  vote, sign(sum of signs), instead of a sum (signSGD, Signum). The result is a
                  unit step per element, not an estimate of the gradient, so error feedback
@@ -65,6 +69,7 @@ class Compressor:
     preserves_nonfinite: ClassVar[bool] = False
     reveals_nonfinite: ClassVar[bool] = False
     fuses_feedback: ClassVar[bool] = False
+    uses_shapes: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")
@@ -82,6 +87,11 @@ class Compressor:
         itself), which is left holding p - decompress(payload): what residual error feedback keeps
         (base its memory, alpha 1 / world size). Only codecs that declare fuses_feedback have it."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse error feedback (fuses_feedback)")
+
+    def use_shapes(self, shapes: Sequence[Sequence[int]]) -> None:
+        """The shapes of the tensors every input holds, flattened end to end; only codecs that
+        declare uses_shapes take them."""
+        raise NotImplementedError(f"{type(self).__name__} compresses flat inputs (uses_shapes)")
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement decompress")

@@ -127,6 +127,8 @@ def compression_errors(
                 found.append(0.0)
                 continue
             codec = compress.build(name, **args)
+            if type(codec).uses_shapes:  # PowerSGD: the gradient as its own matrix, as the hook does
+                codec.use_shapes([gradient.shape])
             flat = gradient.detach().reshape(-1).float()
             payload, ctx = codec.compress(flat)
             # g - C(g) in a warm buffer, by the codec's own in-place subtraction (sparse codecs

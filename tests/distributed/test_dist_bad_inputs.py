@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -131,8 +132,7 @@ def _codecs_given_zeros(state: gradsync.SyncState) -> dict[int, compress.Compres
     whose input is not finite (a multi-round codec stops after the first round's flag)."""
     twins = {}
     for index, point in state.points.items():
-        twin = state.config.build_compressor(seed=getattr(point.codec, "seed", 0))
-        twin.load_state_dict(point.codec.state_dict())
+        twin = copy.deepcopy(point.codec)  # its state, and PowerSGD's shapes
         zeros = torch.zeros(point.numel)
         if twin.rounds > 1:
             twin.begin(zeros)  # type: ignore[attr-defined]
