@@ -187,10 +187,10 @@ class SyncState:
         warm-up step, DDP's first buckets). `is_last`: the step's last group; the step is counted.
         `params`: the group's parameters (positions in model.parameters()) in buffer order, where
         known: an embedding table among them may go as rows, and PowerSGD approximates each weight
-        as its own matrix. `drain` False: at the step's last
-        group, return while collectives that wait on one another may still be issuing from the
-        lane's thread, for a caller that issues no collective of its own until the future is done
-        (DiLoCo overlapping an exchange with inner steps).
+        as its own matrix. `drain` False: at the step's last group, return while collectives that
+        wait on one another may still be issuing from the lane's thread, for a caller that issues
+        no collective of its own until the future is done (DiLoCo overlapping an exchange with
+        inner steps).
         """
         self._comm()
         step = self._begin(is_last, buffer.device)
@@ -586,8 +586,8 @@ class SyncState:
         shaped = type(codec).uses_shapes and bool(shapes) and sum(s.numel() for s in shapes) == numel
         if shaped:
             codec.use_shapes(shapes)  # PowerSGD: each weight as its own matrix
-        params = tuple(params) if shaped and params is not None else None
-        return CompressionPoint(numel, codec, self.config.build_feedback(name), params)
+        kept = tuple(params) if shaped and params is not None else None  # shapes come from params
+        return CompressionPoint(numel, codec, self.config.build_feedback(name), kept)
 
     def _check_ranks_agree(self, device: torch.device) -> None:
         """Fail on every rank, with the same message, when ranks were configured differently.
