@@ -95,7 +95,7 @@ class ShardedState(SyncState):
             result = exchange.reduce_scatter(None, x, out, comm, average)
             self._record(result, x, group, step, strategy, None, started, reference_nbytes=reference)
             return
-        point = self._point(group, x)
+        point = self._point(group, x, step)
         guard = not (
             type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
         )

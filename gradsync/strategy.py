@@ -107,7 +107,8 @@ class Strategy:
         return ":".join([self.spec, *extra])
 
     def payload_bytes(self, numel: int) -> int:
-        """Bytes one rank's payload for `numel` fp32 elements takes on the wire."""
+        """Bytes one rank's payload for `numel` fp32 elements takes on the wire, once warmed up
+        (Compressor.warms_up): plans are made for the steps after a sparsifier's warm-up."""
         if not self.compressed:
             return 4 * numel
         return codec(self.codec, self.args).payload_bytes(numel)
@@ -169,5 +170,6 @@ def codec_class(name: str) -> type[compress.Compressor]:
 @lru_cache(maxsize=256)
 def codec(name: str, args: tuple[tuple[str, Any], ...]) -> compress.Compressor:
     """An instance of the codec, to ask its declared payload size and flags (cached: planners ask
-    often). Never used to compress: it has no seed of its own."""
-    return compress.build(name, **dict(args))
+    often). Never used to compress: it has no seed of its own. A codec that warms up stands past
+    its warm-up: plans are made for the steps that follow it."""
+    return compress.warmed_up(compress.build(name, **dict(args)))

@@ -328,7 +328,7 @@ class SyncState:
                 "gradsync: compressing from step %d on, %s first: %s by %s",
                 *(step, _key(self.plan is not None, group), strategy.text, strategy.collective),
             )
-        point = self._point(group, x, params)
+        point = self._point(group, x, step, params)
         # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
         # payload carries NaN and inf by itself: no check, no flag (as PyTorch's fp16 hook).
         guard = not (
@@ -560,10 +560,14 @@ class SyncState:
             "--max-restarts restarts them)."
         )
 
-    def _point(self, group: int, x: torch.Tensor, params: Sequence[int] | None = None) -> CompressionPoint:
+    def _point(
+        self, group: int, x: torch.Tensor, step: int, params: Sequence[int] | None = None
+    ) -> CompressionPoint:
         point = self.points.get(group)
         if point is None:
             point = self.points[group] = self._new_point(group, x.numel(), params)
+            if type(point.codec).warms_up:  # a codec made mid-run (a new plan) is as far along
+                point.codec.steps = self._compressed_before(step)
         elif point.numel != x.numel():
             raise ValueError(
                 f"gradsync group {group} has {x.numel()} elements but its state was made for "
@@ -571,6 +575,11 @@ class SyncState:
                 "another run); register gradsync afresh for this layout"
             )
         return point
+
+    def _compressed_before(self, step: int) -> int:
+        """Steps compressed before `step`: where a codec made at `step` stands in its warm-up
+        (Compressor.warms_up), so that the warm-up follows training, not the codec's age."""
+        return max(0, step - self.config.warmup_steps)
 
     def _new_point(self, group: int, numel: int, params: Sequence[int] | None) -> CompressionPoint:
         """A fresh point: config.compressor for a bucket, the strategy's codec for a plan group;

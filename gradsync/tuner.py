@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -363,6 +364,12 @@ class AutoState(SyncState):
         if self.plan is None:  # measuring: nothing is compressed before a candidate runs
             return self._uncompressed
         return super()._strategy(group, numel, step, compress)
+
+    def _compressed_before(self, step: int) -> int:
+        # A candidate is timed as it will run once warmed up: a sparsifier's warm-up sends up to
+        # 25x its entries, and timing that would rule it out. The adopted plan's codecs, made
+        # once planning is done, take up the warm-up where training stands.
+        return super()._compressed_before(step) if self.done else sys.maxsize
 
     def note_errors(self, bucket: dist.GradBucket) -> None:
         """Each level's compression error on each gradient of `bucket`, before it is exchanged."""

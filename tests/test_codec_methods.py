@@ -93,7 +93,7 @@ def test_dgc_accumulates_momentum_and_sends_exactly_what_leaves_the_accumulator(
 
 @pytest.mark.parametrize(("numel", "ratio"), [(5000, 0.01), (100000, 0.001)])
 def test_dgc_sends_exactly_the_k_largest_accumulated_entries(numel: int, ratio: float) -> None:
-    codec = compress.build("dgc", ratio=ratio, seed=2)  # sampled threshold, then exact top-k
+    codec = compress.build("dgc", ratio=ratio, sparsity_warmup_steps=0, seed=2)  # sampled, then exact
     k = count_for(numel, ratio)
     for step in range(5):
         u_old, v_old = dgc_state(codec, numel)
@@ -118,20 +118,30 @@ def test_dgc_clips_the_gradient_norm_before_accumulating() -> None:
     assert torch.equal(round_trip(codec, small), small)
 
 
-# -- DGC: sparsity warm-up -----------------------------------------------------------------------
+# -- top-k and DGC: sparsity warm-up -------------------------------------------------------------
 
 WARMUP_STEPS = (0, 99, 100, 199, 200, 300, 399, 400, 10**6)
 WARMUP_SPARSITY = (0.75, 0.75, 0.9375, 0.9375, 0.984375, 0.996, 0.996, 0.999, 0.999)
+SPARSIFIERS = pytest.mark.parametrize("name", ("topk", "dgc"))
 
 
-def test_dgc_warmup_sparsity_follows_the_papers_exponential_stages() -> None:
-    codec = compress.build("dgc", ratio=0.001, sparsity_warmup_steps=400)
+@SPARSIFIERS
+def test_warmup_sparsity_follows_dgcs_exponential_stages(name: str) -> None:
+    codec = compress.build(name, ratio=0.001, sparsity_warmup_steps=400)
     assert [1 - codec.density(step) for step in WARMUP_STEPS] == list(WARMUP_SPARSITY)
 
 
-def test_dgc_sends_the_scheduled_count_at_each_step_and_payload_bytes_predicts_it() -> None:
+@SPARSIFIERS
+def test_sparsifiers_warm_up_over_100_compressed_steps_by_default(name: str) -> None:
+    codec = compress.build(name, ratio=0.01)
+    stages = [codec.density(step) for step in (0, 24, 25, 49, 50, 74, 75, 99, 100)]
+    assert stages == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01, 0.01]
+
+
+@SPARSIFIERS
+def test_sparsifiers_send_the_scheduled_count_at_each_step_and_payload_bytes_predicts_it(name: str) -> None:
     numel = 4000
-    codec = compress.build("dgc", ratio=0.001, sparsity_warmup_steps=400)
+    codec = compress.build(name, ratio=0.001, sparsity_warmup_steps=400)
     sent_counts = []
     for step in range(402):
         expected_nbytes = codec.payload_bytes(numel)  # the next payload
@@ -144,21 +154,23 @@ def test_dgc_sends_the_scheduled_count_at_each_step_and_payload_bytes_predicts_i
     assert sent_counts == [1000] * 100 + [250] * 100 + [63] * 100 + [16] * 100 + [4] * 2
 
 
-def test_dgc_warmup_never_sends_fewer_than_the_configured_ratio() -> None:
-    codec = compress.build("dgc", ratio=0.1, sparsity_warmup_steps=400)
+@SPARSIFIERS
+def test_warmup_never_sends_fewer_than_the_configured_ratio(name: str) -> None:
+    codec = compress.build(name, ratio=0.1, sparsity_warmup_steps=400)
     assert codec.density(0) == 0.25
     assert all(codec.density(step) == 0.1 for step in range(100, 500))  # 0.1 > 6.25 %, 1.6 %, 0.4 %
-    no_warmup = compress.build("dgc", ratio=0.02)
+    no_warmup = compress.build(name, ratio=0.02, sparsity_warmup_steps=0)
     assert no_warmup.density(0) == no_warmup.density(10**6) == 0.02
 
 
-def test_dgc_restored_mid_warmup_continues_the_same_payload_sequence() -> None:
+@SPARSIFIERS
+def test_restored_mid_warmup_continues_the_same_payload_sequence(name: str) -> None:
     numel = 3000
-    original = compress.build("dgc", ratio=0.01, sparsity_warmup_steps=8, seed=3)
+    original = compress.build(name, ratio=0.01, sparsity_warmup_steps=8, seed=3)
     for step in range(3):
         original.compress(randn(numel, seed=step))
     state = original.state_dict()
-    restored = compress.build("dgc", ratio=0.01, sparsity_warmup_steps=8, seed=99)  # the state decides
+    restored = compress.build(name, ratio=0.01, sparsity_warmup_steps=8, seed=99)  # the state decides
     restored.load_state_dict(state)
     for step in range(3, 12):  # across the last warm-up stages and past them
         x = randn(numel, seed=step)
@@ -166,8 +178,30 @@ def test_dgc_restored_mid_warmup_continues_the_same_payload_sequence() -> None:
         expected = [t.clone() for t in original.compress(x)[0]]
         got = restored.compress(x)[0]
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    fresh = compress.build("dgc", ratio=0.01, sparsity_warmup_steps=8, seed=3)
+    fresh = compress.build(name, ratio=0.01, sparsity_warmup_steps=8, seed=3)
     assert fresh.payload_bytes(numel) != restored.payload_bytes(numel)  # the step count is restored
+
+
+@SPARSIFIERS
+def test_an_undone_step_leaves_the_warmup_where_it_was(name: str) -> None:
+    # A step found non-finite on some rank is undone: the next compress sends the count the
+    # undone one did, as on a codec that never saw it.
+    numel = 3000
+    codec = compress.build(name, ratio=0.01, sparsity_warmup_steps=8, seed=3)
+    codec.compress(randn(numel, seed=0))
+    before = codec.payload_bytes(numel)
+    codec.compress(randn(numel, seed=1))
+    assert codec.payload_bytes(numel) != before  # the second step ended the first stage
+    codec.undo()
+    assert codec.payload_bytes(numel) == before
+    assert codec.compress(randn(numel, seed=1))[0][1].numel() == count_for(numel, codec.density(1))
+
+
+def test_topk_checkpoint_from_before_the_warmup_continues_at_its_ratio() -> None:
+    # Such a checkpoint holds only the generator: its run was sparsified at `ratio` throughout.
+    codec = compress.build("topk", ratio=0.01, seed=3)
+    codec.load_state_dict({"generator": None})
+    assert codec.payload_bytes(3000) == index_nbytes(3000, 30) + 4 * 30
 
 
 # -- sparse index formats ------------------------------------------------------------------------
@@ -185,7 +219,7 @@ def test_sparse_codecs_use_coo_up_to_density_one_32nd_and_a_bitmap_above(
     x = randn(numel, seed=5)
     k = count_for(numel, ratio)
     assert index_format(numel, k) == fmt
-    payload, ctx = compress.build(name, ratio=ratio).compress(x)
+    payload, ctx = compress.build(name, ratio=ratio, sparsity_warmup_steps=0).compress(x)
     encoded = payload[0]
     reference = torch.topk(x.abs(), k).indices.sort().values  # DGC's first step: v = g
     if fmt == "coo":

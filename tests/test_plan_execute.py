@@ -24,6 +24,7 @@ from gradsync.exchange import Route
 from gradsync.plan import GroupPlan, Plan, signature
 from gradsync.regroup import Regroup
 from gradsync.tuner import AutoState
+from gradsync.wire import index_nbytes
 
 WARMUP = 2
 VOCAB, DIM, CONTEXT, WIDTH, CLASSES = 40, 8, 2, 16, 4
@@ -356,6 +357,22 @@ def test_a_plan_state_resumes_bit_for_bit_from_its_state_dict() -> None:
     fresh = SyncState(cfg, LocalComm())
     fresh.step = 4
     assert not all(torch.equal(a, b) for a, b in zip(_sync_steps(fresh, range(4, 8)), later, strict=True))
+
+
+def test_a_plan_adopted_mid_run_takes_up_a_sparsifiers_warmup_where_training_stands() -> None:
+    # Codecs are made afresh for a new plan (plan="auto" adopts one after its first steps); a
+    # top-k made at step 7, after 2 fp32 steps and 5 compressed, sends what compressed step 5
+    # of its warm-up sends (6.25 % of 320 entries), not what a fresh codec's first step would.
+    warming = "topk:ratio=0.01:sparsity_warmup_steps=16"
+    plan = make_plan(Net(), [((4, 3), "none"), ((2, 1), "none"), ((0,), warming)])
+    state = SyncState(config(plan=plan), LocalComm())
+    state.step = 7
+    grads = _group_gradients(7)
+    outs = [state.sync(g, index, is_last=index == 2).wait() for index, g in enumerate(grads)]
+    assert int((outs[2] != 0).sum()) == 20
+    assert state.points[2].codec.steps == 6
+    # In planning, a codec is priced as it runs after its warm-up: 1 % of the entries.
+    assert plan.strategies[2].payload_bytes(320) == index_nbytes(320, 3) + 4 * 3
 
 
 def test_a_state_saved_with_another_plan_is_refused() -> None:

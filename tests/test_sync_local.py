@@ -96,7 +96,8 @@ def reference_payload_bytes(cfg: SyncConfig, gs: list[torch.Tensor]) -> list[int
 
 
 def test_warmup_steps_return_the_input_exactly_then_compression_starts() -> None:
-    state = new_state(compressor="topk", compressor_args={"ratio": 0.01}, warmup_steps=3)
+    topk = {"ratio": 0.01, "sparsity_warmup_steps": 0}  # at its ratio from its first step
+    state = new_state(compressor="topk", compressor_args=topk, warmup_steps=3)
     gs = gradients(4)
     for g in gs[:3]:
         assert torch.equal(sync(state, g), g)
@@ -122,6 +123,15 @@ def test_the_log_says_when_compression_starts_and_when_a_state_is_restored(caplo
     )
 
 
+def test_top_k_in_the_hook_sends_more_over_its_first_compressed_steps() -> None:
+    # Its sparsity warm-up counts the hook's compressed steps: 25 % of the entries over the
+    # first quarter, 6.25 % over the second, then 1.5625 % (the ratio, 1 %, is below it).
+    state = new_state(compressor="topk", compressor_args={"ratio": 0.01, "sparsity_warmup_steps": 8})
+    sent = [int((sync(state, g) != 0).sum()) for g in gradients(WARMUP + 8)]
+    assert sent[WARMUP:] == [750, 750, 188, 188, 47, 47, 30, 30]
+    assert state.points[0].codec.steps == 8
+
+
 def test_warmup_counts_training_steps_not_buckets() -> None:
     state = new_state(compressor="topk", compressor_args={"ratio": 0.01}, warmup_steps=2)
     for _ in range(3):
@@ -133,7 +143,8 @@ def test_warmup_counts_training_steps_not_buckets() -> None:
 
 
 def test_a_bucket_smaller_than_min_compress_numel_is_sent_uncompressed() -> None:
-    state = new_state(compressor="topk", compressor_args={"ratio": 0.01}, min_compress_numel=1000)
+    topk = {"ratio": 0.01, "sparsity_warmup_steps": 0}
+    state = new_state(compressor="topk", compressor_args=topk, min_compress_numel=1000)
     past_warmup(state, 999)
     small, large = torch.randn(999), torch.randn(1000)
     assert torch.equal(sync(state, small, bucket=0, is_last=False), small)

@@ -72,7 +72,7 @@ def _require_matplotlib(parser: argparse.ArgumentParser, what: str) -> None:
 def describe(name: str) -> dict[str, object]:
     """What `gradsync list` shows for one registered compressor."""
     cls = compress.lookup(name)
-    codec = compress.build(name)
+    codec = compress.warmed_up(compress.build(name))
     collective = default_collective(name)
     if cls.majority_vote:
         collective = "allreduce (vote)"

@@ -48,6 +48,11 @@ class Compressor:
       uses_shapes  the hook tells it the shapes of the tensors a group holds, in buffer order
                  (use_shapes), and it compresses each by its own shape: PowerSGD approximates
                  each weight as its own matrix.
+      warms_up   its payload follows a schedule over its compressed steps, which it counts in
+                 `steps` (public and checkpointed): a sparsifier sends more entries over its
+                 first `sparsity_warmup_steps` (DGC's warm-up). The hook sets `steps` on a codec
+                 it makes mid-run (a new plan), so the schedule follows training, not the
+                 codec's age; payload_bytes is the next payload's size.
       majority_vote  the payload is one sign bit per element, and ranks combine by majority
                  vote, sign(sum of signs), instead of a sum (signSGD, Signum). The result is a
                  unit step per element, not an estimate of the gradient, so error feedback
@@ -70,6 +75,7 @@ class Compressor:
     reveals_nonfinite: ClassVar[bool] = False
     fuses_feedback: ClassVar[bool] = False
     uses_shapes: ClassVar[bool] = False
+    warms_up: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")

@@ -19,11 +19,14 @@ from .base import (
     shape_ctx,
 )
 from .scratch import scratch
-from .sparse import add_sparse_, decode_sparse, sampled_topk, sparse_payload
-
-# Sparsity during the warm-up, one stage after the other (the paper's exponential schedule); the
-# stages share the warm-up steps equally and the configured ratio follows.
-WARMUP_SPARSITY = (0.75, 0.9375, 0.984375, 0.996)
+from .sparse import (
+    SPARSITY_WARMUP_STEPS,
+    add_sparse_,
+    decode_sparse,
+    sampled_topk,
+    sparse_payload,
+    warmup_density,
+)
 
 
 class DGC(SeededCompressor):
@@ -37,7 +40,8 @@ class DGC(SeededCompressor):
         send the top-k of v by magnitude; v <- 0 and, with masking, u <- 0 where sent
     The top-k threshold comes from a sample of `sample_ratio` of the entries, with a correction
     pass that keeps exactly k. Density follows the warm-up schedule 25% -> 6.25% -> 1.5625% ->
-    0.4%, over `sparsity_warmup_steps` compressed steps, then `ratio`.
+    0.4%, over `sparsity_warmup_steps` compressed steps (compress.sparse.warmup_density), then
+    `ratio`.
 
     The momentum lives here, so train with a momentum-free optimizer (SGD without momentum): with
     ratio=1 and masking=False the decoded sum is exactly the momentum SGD update direction. The
@@ -53,6 +57,7 @@ class DGC(SeededCompressor):
 
     randomness = "local"
     owns_memory = True
+    warms_up = True
     sparse_rows = True
 
     def __init__(
@@ -62,7 +67,7 @@ class DGC(SeededCompressor):
         masking: bool = True,
         clip_norm: float | None = None,
         sample_ratio: float = 0.01,
-        sparsity_warmup_steps: int = 0,
+        sparsity_warmup_steps: int = SPARSITY_WARMUP_STEPS,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
@@ -84,10 +89,7 @@ class DGC(SeededCompressor):
 
     def density(self, step: int) -> float:
         """Fraction of entries sent at compressed step `step` (0-based)."""
-        if step < self.sparsity_warmup_steps:
-            stage = step * len(WARMUP_SPARSITY) // self.sparsity_warmup_steps
-            return max(self.ratio, 1 - WARMUP_SPARSITY[stage])
-        return self.ratio
+        return warmup_density(self.ratio, step, self.sparsity_warmup_steps)
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)

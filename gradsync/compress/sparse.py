@@ -17,6 +17,23 @@ from . import native
 from .base import Compressor, Payload, shape_ctx
 from .scratch import magnitude, scratch
 
+# DGC's sparsity warm-up (Lin et al. 2018, section 3.4): the density falls exponentially, 25% ->
+# 6.25% -> 1.5625% -> 0.4%, the stages sharing the warm-up's compressed steps equally, and the
+# codec's own ratio follows (it bounds the density from below throughout). Sparsified at 1% from
+# its first compressed step, mlp-wide under momentum SGD lagged DDP by 2.5x in loss at step 150
+# of 400 and ended 14% above it; over a warm-up of 100 steps it ended 5% above.
+WARMUP_SPARSITY = (0.75, 0.9375, 0.984375, 0.996)
+SPARSITY_WARMUP_STEPS = 100
+
+
+def warmup_density(ratio: float, step: int, warmup_steps: int) -> float:
+    """The fraction of entries a sparsifier of `ratio` sends at its compressed step `step`
+    (0-based) with a warm-up of `warmup_steps`."""
+    if step < warmup_steps:
+        return max(ratio, 1 - WARMUP_SPARSITY[step * len(WARMUP_SPARSITY) // warmup_steps])
+    return ratio
+
+
 # How many more candidates than k the sampled threshold aims for: a margin makes a second,
 # lower threshold rarely necessary, while the exact top-k among ~1.5k candidates stays cheap.
 OVERSELECT = 1.5

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..wire import index_nbytes
-from .base import SeededCompressor, check_choice, check_fraction, count_for
-from .sparse import Sparsifier, exact_topk, sampled_topk
+from .base import Payload, SeededCompressor, check_choice, check_fraction, check_int, count_for
+from .sparse import SPARSITY_WARMUP_STEPS, Sparsifier, exact_topk, sampled_topk, warmup_density
 
 
 class TopK(Sparsifier, SeededCompressor):
@@ -23,6 +25,11 @@ class TopK(Sparsifier, SeededCompressor):
     top-k among those few: exactly k entries, the same as "exact" up to ties, because the
     threshold is lowered until it admits at least k candidates.
 
+    Over its first `sparsity_warmup_steps` compressed steps it keeps more, 25% -> 6.25% -> 1.5625%
+    of the entries (DGC's warm-up, compress.sparse.warmup_density; never fewer than `ratio`):
+    the first steps' gradients change fastest, and what a sparsifier holds back from them waits
+    in the error memory while the weights move on. k is the same on every rank at each step.
+
     Example:
         >>> c = TopK(ratio=0.25)
         >>> payload, ctx = c.compress(torch.tensor([0.1, -3.0, 0.2, 2.0]))
@@ -32,21 +39,57 @@ class TopK(Sparsifier, SeededCompressor):
 
     randomness = "local"
     needs_feedback = True
+    warms_up = True
 
     def __init__(
-        self, ratio: float = 0.01, mode: str = "sampled", sample_ratio: float = 0.01, seed: int = 0
+        self,
+        ratio: float = 0.01,
+        mode: str = "sampled",
+        sample_ratio: float = 0.01,
+        sparsity_warmup_steps: int = SPARSITY_WARMUP_STEPS,
+        seed: int = 0,
     ) -> None:
         super().__init__(seed)
         self.ratio = check_fraction("ratio", ratio)
         self.mode = check_choice("mode", mode, ("exact", "sampled"))
         self.sample_ratio = check_fraction("sample_ratio", sample_ratio)
+        self.sparsity_warmup_steps = check_int(
+            "sparsity_warmup_steps", sparsity_warmup_steps, 0, why="compressed steps of sparsity warm-up"
+        )
+        self.steps = 0  # compressed steps so far: the position in the warm-up
+        self._undoable = False  # whether the last compress may still be undone
+
+    def density(self, step: int) -> float:
+        """Fraction of entries sent at compressed step `step` (0-based)."""
+        return warmup_density(self.ratio, step, self.sparsity_warmup_steps)
+
+    def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
+        compressed = super().compress(x)
+        self.steps += 1
+        self._undoable = True
+        return compressed
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
-        k = count_for(flat.numel(), self.ratio)
+        k = count_for(flat.numel(), self.density(self.steps))
         if self.mode == "sampled":
             return sampled_topk(flat, k, self.sample_ratio, self.generator(flat.device))
         return exact_topk(flat, k)
 
+    def undo(self) -> None:
+        if self._undoable:
+            self.steps -= 1
+            self._undoable = False
+
     def payload_bytes(self, numel: int) -> int:
-        k = count_for(numel, self.ratio)
+        """Bytes of the next payload (the warm-up's density at the current step)."""
+        k = count_for(numel, self.density(self.steps))
         return index_nbytes(numel, k) + 4 * k
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        # A checkpoint from before the warm-up existed was sparsified at `ratio` throughout.
+        self.steps = state.get("steps", self.sparsity_warmup_steps)
+        self._undoable = False

@@ -34,10 +34,11 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def build_codec(spec: str) -> compress.Compressor:
-    """The codec `spec` names; ValueError naming the spec and the registry's reason otherwise."""
+    """The codec `spec` names, past any warm-up (profiles measure the codec as it runs after it);
+    ValueError naming the spec and the registry's reason otherwise."""
     name, args = parse_spec(spec)
     try:
-        return compress.build(name, **args)
+        return compress.warmed_up(compress.build(name, **args))
     except (KeyError, TypeError, ValueError) as error:
         reason = error.args[0] if error.args else error
         raise ValueError(f"codec spec {spec!r}: {reason}") from error
@@ -126,7 +127,7 @@ def compression_errors(
             if gradient.numel() == 0:
                 found.append(0.0)
                 continue
-            codec = compress.build(name, **args)
+            codec = compress.warmed_up(compress.build(name, **args))
             if type(codec).uses_shapes:  # PowerSGD: the gradient as its own matrix, as the hook does
                 codec.use_shapes([gradient.shape])
             flat = gradient.detach().reshape(-1).float()
