@@ -62,6 +62,31 @@ def test_cpu_per_step_is_the_median_after_warm_up_where_the_script_records_it() 
     assert (rows["gradsync"], rows["ddp"]) == ("0.200", "-")
 
 
+def test_top_k_runs_longer_and_its_steady_steps_start_after_its_sparsity_warm_up() -> None:
+    options = script.ScriptOptions(steps=STEPS)
+    warmup = script.LONGER_WARMUP["gradsync-topk"]
+    assert options.steps_for("gradsync-topk") == STEPS + warmup and options.steps_for("ddp") == STEPS
+    # Its warm-up steps (2 s) are in its first 60 steps but not in its steady median (0.4 s).
+    start = options.steady_from_for("gradsync-topk")
+    assert start == options.steady_from + warmup
+    topk = [2.0] * start + [0.4] * (STEPS + warmup - start)
+    raw = {"ddp": [[1.2] * STEPS] * 2, "gradsync-topk": [topk] * 2}
+    meta = {
+        "network": {"description": "test"},
+        "params": 1,
+        "options": dataclasses.asdict(options),
+        "machine": {"cores": 2, "torch": "2"},
+        "commit": "0" * 40,
+        "dirty": False,
+        "date": "today",
+    }
+    doc = script.summarize(raw, meta, options)
+    runs = {r["sync"]: r for r in doc["runs"]}
+    assert runs["gradsync-topk"]["median_s"] == 0.4 and runs["gradsync-topk"]["first_median_s"] == 2.0
+    assert runs["gradsync-topk"]["vs_ddp"] == pytest.approx(3.0)
+    assert f"(gradsync-topk from step {start}, after its warm-up)" in script.table(doc)
+
+
 def test_slow_network_goals_are_judged_against_ddp_and_torchs_hooks() -> None:
     met = {
         goal: ok

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import tuner
+from ..compress.sparse import SPARSITY_WARMUP_STEPS
 from ..config import SyncConfig
 from . import report
 from .train import Network, follow_ranks, launch_ranks, master_port, quantile
@@ -43,6 +44,10 @@ SYNCS = (
 FIRST_STEPS = 60  # plan="auto" is judged on its median over the first 60 steps, planning included
 # Steps plan="auto" spends measuring and trying candidates with the config the script writes.
 AUTO_PLANNING_STEPS = tuner.warmup_steps(SyncConfig(plan="auto"))
+# Ways whose first compressed steps differ by design, and by how many steps: top-k's sparsity
+# warm-up sends more over them. Such a way runs that many steps more, and its steady steps are
+# counted from after the warm-up (its first FIRST_STEPS steps still include it).
+LONGER_WARMUP = {"gradsync-topk": SPARSITY_WARMUP_STEPS}
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,8 @@ class ScriptOptions:
     world_size: int = 4
     steps: int = FIRST_STEPS
     # Steps counted from here: after gradsync's warm-up (10 steps) and torch PowerSGD's start
-    # (step 10), and a few more for the allocations of the first compressed steps.
+    # (step 10), and a few more for the allocations of the first compressed steps; later by
+    # LONGER_WARMUP for the ways it names.
     steady_from: int = 15
     repeats: int = 1
     timeout_s: float = 1800.0
@@ -72,6 +78,14 @@ class ScriptOptions:
         if len(set(self.syncs)) != len(self.syncs) or not self.syncs:
             raise ValueError(f"syncs {list(self.syncs)}: name each way once, at least one")
 
+    def steady_from_for(self, sync: str) -> int:
+        """The first step counted in `sync`'s steady median."""
+        return self.steady_from + LONGER_WARMUP.get(sync, 0)
+
+    def steps_for(self, sync: str) -> int:
+        """The steps `sync` runs: as many steady ones as every other way."""
+        return self.steps + LONGER_WARMUP.get(sync, 0)
+
 
 def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Every way, `repeats` times in turn; the document of every step's time (see summarize)."""
@@ -85,7 +99,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
                 raw[sync].append(found["step_s"])
                 cpu[sync].append(found.get("cpu_s", []))  # a script may not record it
                 params = found["params"]
-                steady = found["step_s"][options.steady_from :]
+                steady = found["step_s"][options.steady_from_for(sync) :]
                 say(f"{sync} (round {round_ + 1}): median step {statistics.median(steady):.3f} s")
     meta = {
         **report.provenance(),
@@ -98,7 +112,8 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
 
 def _run_one(options: ScriptOptions, network: Network, sync: str, stem: Path) -> dict[str, Any]:
     out = stem.with_name(f"{stem.name}.json")
-    argv = [sys.executable, options.script, "--sync", sync, "--steps", str(options.steps), "--json", str(out)]
+    steps = str(options.steps_for(sync))
+    argv = [sys.executable, options.script, "--sync", sync, "--steps", steps, "--json", str(out)]
     logs = [stem.with_name(f"{stem.name}-rank{rank}.log") for rank in range(options.world_size)]
     with launch_ranks(network, argv, options.world_size, master_port(network), logs) as procs:
         follow_ranks(procs, logs, options.timeout_s, None, f"--sync {sync}")
@@ -111,13 +126,14 @@ def summarize(
     options: ScriptOptions,
     cpu: dict[str, list[list[float]]] | None = None,
 ) -> dict[str, Any]:
-    """Per way: the median and p90 step after steady_from, over every round; the median of the
-    first FIRST_STEPS steps; the p90 of plan="auto"'s planning steps; and, where `cpu` holds rank
-    0's CPU seconds of each step, their median after steady_from (else None). Pure."""
+    """Per way: the median and p90 step after its steady_from, over every round; the median of
+    the first FIRST_STEPS steps; the p90 of plan="auto"'s planning steps; and, where `cpu` holds
+    rank 0's CPU seconds of each step, their median after its steady_from (else None). Pure."""
     runs = []
     for sync, rounds in raw.items():
-        steady = [s for steps in rounds for s in steps[options.steady_from :]]
-        cpu_steady = [s for steps in (cpu or {}).get(sync, []) for s in steps[options.steady_from :]]
+        start = options.steady_from_for(sync)
+        steady = [s for steps in rounds for s in steps[start:]]
+        cpu_steady = [s for steps in (cpu or {}).get(sync, []) for s in steps[start:]]
         first = [s for steps in rounds for s in steps[:FIRST_STEPS]]
         planning = [s for steps in rounds for s in steps[1:AUTO_PLANNING_STEPS]]  # step 0: start-up
         runs.append(
@@ -135,7 +151,13 @@ def summarize(
     for r in runs:
         for base in ("ddp", "torch-fp16"):
             r[f"vs_{base}"] = by_sync[base]["median_s"] / r["median_s"] if base in by_sync else None
-    meta = {**meta, "first_steps": FIRST_STEPS, "auto_planning_steps": AUTO_PLANNING_STEPS}
+    later = {sync: options.steady_from_for(sync) for sync in raw if sync in LONGER_WARMUP}
+    meta = {
+        **meta,
+        "first_steps": FIRST_STEPS,
+        "auto_planning_steps": AUTO_PLANNING_STEPS,
+        "steady_from_by_way": later,
+    }
     return {"meta": meta, "runs": runs}
 
 
@@ -193,6 +215,12 @@ def targets(document: dict[str, Any]) -> list[tuple[str, str, bool]]:
     return found
 
 
+def _later(meta: dict[str, Any]) -> str:
+    """The ways whose steady steps start later (LONGER_WARMUP), as the caption names them."""
+    later = meta.get("steady_from_by_way") or {}  # documents from before LONGER_WARMUP name none
+    return "".join(f" ({sync} from step {start}, after its warm-up)" for sync, start in later.items())
+
+
 def table(document: dict[str, Any]) -> str:
     """The ways as a Markdown table, the goals met or missed, and the conditions."""
     lines = [
@@ -220,8 +248,8 @@ def conditions(document: dict[str, Any]) -> str:
     return (
         f"`{options['script']}` ({meta['params'] / 1e6:.1f}M parameters), {options['world_size']} ranks "
         f"of one torch thread, {options['steps']} steps, {options['repeats']} round(s) of every way in turn; "
-        f"medians over the steps from step {options['steady_from']} on; CPU: the time every thread "
-        "of rank 0's process spent per step (compute, hook, communication library). "
+        f"medians over the steps from step {options['steady_from']} on{_later(meta)}; CPU: the time "
+        "every thread of rank 0's process spent per step (compute, hook, communication library). "
         f"Network: {network['description']}"
         f"{probe}. Machine: {meta['machine']['cores']} cores shared by all ranks (CPU work weighs "
         f"more than on real hosts), torch {meta['machine']['torch']}; commit {meta['commit'][:12]}"
