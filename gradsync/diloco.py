@@ -24,6 +24,7 @@ import copy
 import itertools
 import json
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,16 @@ DEFAULTS = {
     "delay": 0,
     "alpha": 0.0,
 }
+
+
+class _OuterSyncState(SyncState):
+    """SyncState for outer gradients: a codec that warms up (top-k's sparsity warm-up) starts past
+    its warm-up. The warm-up guards the first steps' fast-changing gradients, which are the inner
+    optimizer's here; counted in outer syncs (one per H steps, and per fragment) it would span most
+    of a run, sending a quarter of the entries where `ratio` was asked for."""
+
+    def _compressed_before(self, step: int) -> int:
+        return sys.maxsize
 
 
 @dataclass(frozen=True)
@@ -139,7 +150,7 @@ class DiLoCo:
         )
         comm: Comm = TorchComm(process_group) if dist.is_initialized() else LocalComm()
         self._check_ranks_agree(comm, config)
-        self.sync_state = SyncState(config, comm, model)
+        self.sync_state = _OuterSyncState(config, comm, model)
         self._params = params
         self._broadcast_from_first(model, comm, process_group)
         self._fragments = cut(sizes, fragments, sync_every)

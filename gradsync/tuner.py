@@ -366,8 +366,8 @@ class AutoState(SyncState):
         return super()._strategy(group, numel, step, compress)
 
     def _compressed_before(self, step: int) -> int:
-        # A candidate is timed as it will run once warmed up: a sparsifier's warm-up sends up to
-        # 25x its entries, and timing that would rule it out. The adopted plan's codecs, made
+        # A candidate is timed as it will run once warmed up: a sparsifier's warm-up keeps a
+        # quarter of the entries at first, and timing that would rule it out. The adopted plan's codecs, made
         # once planning is done, take up the warm-up where training stands.
         return super()._compressed_before(step) if self.done else sys.maxsize
 

@@ -55,6 +55,21 @@ def test_nothing_syncs_before_the_hth_step_then_local_becomes_the_nesterov_stepp
     assert outer.stats()["inner_steps"] == 3 and outer.stats()["step"] == 1  # one fragment sync
 
 
+def test_top_k_compresses_outer_gradients_at_its_ratio_from_the_first_sync() -> None:
+    # Its sparsity warm-up counts steps of training; counted in outer syncs (one per H steps) it
+    # would span most of a run, so outer gradients are sparsified at `ratio` from the first.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4096), nn.Tanh(), nn.Linear(4096, 4))  # above min_compress_numel
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2, compressor="topk", compressor_args={"ratio": 0.1})
+    before = params(net)
+    train(net, optimizer, range(2))
+    moved = sum(int((a != b).sum()) for a, b in zip(params(net), before, strict=True))
+    numel = sum(p.numel() for p in net.parameters())
+    assert moved == round(0.1 * numel)  # one sync: only the entries top-k sent moved the global
+    assert outer.stats()["step"] == 1
+
+
 def test_local_sgd_in_a_world_of_one_is_plain_training() -> None:
     net, plain = model(), model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

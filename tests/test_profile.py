@@ -15,6 +15,8 @@ from torch import nn
 
 from gradsync import profile
 from gradsync.comm import LocalComm
+from gradsync.compress.base import count_for
+from gradsync.compress.topk import TopK
 from gradsync.cost import LinearFit, fit_linear
 from gradsync.profile import Profile, TensorTiming
 
@@ -287,6 +289,23 @@ def test_the_hook_path_is_timed_before_and_after_its_collective() -> None:
     # 64 times the elements: the hook's compress and decode take longer.
     assert measured["before"][1] > measured["before"][0]
     assert measured["after"][1] > measured["after"][0]
+
+
+def test_a_sparsifier_is_timed_past_its_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # plan="auto" prices each level by these timings: top-k's warm-up (25% of the entries at
+    # first) would price every level as a quarter of the tensor.
+    kept = []
+    select = TopK.select
+
+    def counting(self: TopK, flat: torch.Tensor) -> torch.Tensor:
+        indices = select(self, flat)
+        kept.append(indices.numel())
+        return indices
+
+    monkeypatch.setattr(TopK, "select", counting)
+    profile.measure_hook(profile.hook_config("topk:ratio=0.01"), (1 << 15,), repeats=3)
+    assert kept[0] == 1 << 13  # 25%: the untimed first compressed step, as the hook makes the codec
+    assert kept[1:] == [count_for(1 << 15, 0.01)] * 3
 
 
 def test_the_hook_is_timed_only_where_it_compresses() -> None:

@@ -24,7 +24,8 @@ class Compressor:
       summable   payloads of different ranks may be summed elementwise (allreduce), and
                  decompress(sum of payloads) == sum of decompress(payload).
       unbiased   E[decompress(compress(x))] == x.
-      fixed_size payload shapes depend only on x.numel(), so no sizes need exchanging.
+      fixed_size payload shapes depend only on x.numel() (and, for codecs that warm up, on the
+                 step, which every rank shares), so no sizes need exchanging.
       randomness "none"; "shared": the same stream on every rank (the hook seeds it identically);
                  "local": an independent stream per rank.
       rounds     > 1: a multi-round summable protocol (PowerSGD) driven by the exchange layer

@@ -20,7 +20,6 @@ from .base import (
 )
 from .scratch import scratch
 from .sparse import (
-    SPARSITY_WARMUP_STEPS,
     add_sparse_,
     decode_sparse,
     sampled_topk,
@@ -67,7 +66,7 @@ class DGC(SeededCompressor):
         masking: bool = True,
         clip_norm: float | None = None,
         sample_ratio: float = 0.01,
-        sparsity_warmup_steps: int = SPARSITY_WARMUP_STEPS,
+        sparsity_warmup_steps: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)

@@ -33,8 +33,10 @@ WORLD_SIZE = 4
 STEPS = 400
 LR = 0.25
 SEED = 0
-RUNS = {"none": ("none", {}, "none"), "topk+ef": ("topk", {"ratio": 0.01}, "ef")}
-RUNS["topk+none"] = ("topk", {"ratio": 0.01}, "none")
+# At 1% from the first step: the test is about error feedback, not top-k's sparsity warm-up.
+TOPK = {"ratio": 0.01, "sparsity_warmup_steps": 0}
+RUNS = {"none": ("none", {}, "none"), "topk+ef": ("topk", TOPK, "ef")}
+RUNS["topk+none"] = ("topk", TOPK, "none")
 MAX_EF_LOSS_POINTS = 1.0
 MIN_NO_FEEDBACK_LOSS_POINTS = 5.0
 
