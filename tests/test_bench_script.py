@@ -28,6 +28,19 @@ def document(
     return script.summarize(raw, meta, script.ScriptOptions(steps=STEPS))
 
 
+def table_meta(options: script.ScriptOptions) -> dict:
+    """The provenance script.table's caption reads."""
+    return {
+        "network": {"description": "test"},
+        "params": 1,
+        "options": dataclasses.asdict(options),
+        "machine": {"cores": 2, "torch": "2"},
+        "commit": "0" * 40,
+        "dirty": False,
+        "date": "today",
+    }
+
+
 def test_medians_speed_ups_and_the_planning_steps() -> None:
     doc = document({"ddp": 1.4, "torch-fp16": 0.9, "gradsync": 0.45, "gradsync-auto": 0.5}, 1e9, 1.2)
     runs = {r["sync"]: r for r in doc["runs"]}
@@ -44,15 +57,7 @@ def test_cpu_per_step_is_the_median_after_warm_up_where_the_script_records_it() 
     cpu = [[5.0] * steady_from + [0.1, 0.3] * ((STEPS - steady_from) // 2)] * 2
     raw = {"ddp": [[1.0] * STEPS] * 2, "gradsync": [[0.5] * STEPS] * 2}
     options = script.ScriptOptions(steps=STEPS)
-    meta = {
-        "network": {"description": "test"},
-        "params": 1,
-        "options": dataclasses.asdict(options),
-        "machine": {"cores": 2, "torch": "2"},
-        "commit": "0" * 40,
-        "dirty": False,
-        "date": "today",
-    }
+    meta = table_meta(options)
     doc = script.summarize(raw, meta, options, {"ddp": [], "gradsync": cpu})
     runs = {r["sync"]: r for r in doc["runs"]}
     assert runs["gradsync"]["cpu_median_s"] == pytest.approx(0.2)
@@ -71,15 +76,7 @@ def test_top_k_runs_longer_and_its_steady_steps_start_after_its_sparsity_warm_up
     assert start == options.steady_from + warmup
     topk = [2.0] * start + [0.4] * (STEPS + warmup - start)
     raw = {"ddp": [[1.2] * STEPS] * 2, "gradsync-topk": [topk] * 2}
-    meta = {
-        "network": {"description": "test"},
-        "params": 1,
-        "options": dataclasses.asdict(options),
-        "machine": {"cores": 2, "torch": "2"},
-        "commit": "0" * 40,
-        "dirty": False,
-        "date": "today",
-    }
+    meta = table_meta(options)
     doc = script.summarize(raw, meta, options)
     runs = {r["sync"]: r for r in doc["runs"]}
     assert runs["gradsync-topk"]["median_s"] == 0.4 and runs["gradsync-topk"]["first_median_s"] == 2.0
