@@ -88,6 +88,7 @@ class TorchComm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        _keep_until_exit(group if group is not None else dist.group.WORLD)
 
     @property
     def timeout(self) -> timedelta | None:
@@ -171,10 +172,14 @@ def _outcome(work: dist.Work, name: str, sent: torch.Tensor, value: Callable[[],
         try:
             future.value()
         except RuntimeError as error:
+            error.__traceback__ = None  # were it kept with the work, it would hold `done` (below)
             out.set_exception(CollectiveError(_failed(name, sent, error)))
         else:
             out.set_result(value())
 
+    # Every later step of the exchange runs inside `done`, on the backend's worker thread; it is
+    # over once that thread has dropped `done`, and the token with it.
+    done.running = _Running()  # type: ignore[attr-defined]
     work.get_future().add_done_callback(done)
     return out
 
@@ -284,6 +289,52 @@ def gather_object(comm: Comm, obj: Any, dst: int, device: torch.device) -> list[
         data if peer == dst else comm.sendrecv(peer, data[:0], sizes[peer]) for peer in range(comm.world_size)
     ]
     return [pickle.loads(chunk.cpu().numpy().tobytes()) for chunk in chunks]
+
+
+# A process group's destructor joins its worker threads, and those threads need the GIL while they
+# finish gradsync's work: they run each collective's completion callback (every later step of its
+# exchange), then free the work and the tensors it held. Destroyed on one of those threads (the
+# last reference held by a callback), the group joins its own thread and aborts the process
+# ("Resource deadlock avoided"); destroyed by a thread that holds the GIL (DDP's reducer, freed with
+# the model once destroy_process_group has dropped torch's references), it waits forever. Both
+# were seen at the end of a two-rank script that destroyed its group right after its last step, 1
+# run in 40 each. So gradsync keeps every group it exchanges over until the interpreter exits, and
+# then lets go of them on the main thread, once their callbacks are done, with the GIL released
+# while each is destroyed (as torch's ProcessGroup objects do). A group destroyed earlier thus
+# keeps its threads and sockets until exit.
+_KEPT: dict[int, dist.ProcessGroup] = {}
+_running = 0  # completion callbacks not yet freed
+_settled = threading.Condition()  # reentrant: a callback may be freed by a collection inside wait_for
+
+
+def _keep_until_exit(group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        _KEPT.setdefault(id(group), group)
+
+
+class _Running:
+    """Counts a completion callback as running from its creation until it is freed."""
+
+    def __init__(self) -> None:
+        global _running
+        with _settled:
+            _running += 1
+
+    def __del__(self) -> None:
+        global _running
+        with _settled:
+            _running -= 1
+            _settled.notify_all()
+
+
+def settle(timeout_s: float = 10.0) -> bool:
+    """Wait, at most `timeout_s`, until every collective's completion callback has run and been
+    freed; whether they all have. Returns at once, False, on a thread Python did not start (a
+    backend's worker, which may be holding one itself)."""
+    if isinstance(threading.current_thread(), threading._DummyThread):
+        return False
+    with _settled:
+        return _settled.wait_for(lambda: _running == 0, timeout=timeout_s)
 
 
 class Lane:
@@ -406,3 +457,5 @@ def _stop_lanes() -> None:
     deadline = time.monotonic() + 10.0  # one bound for all: a lane stuck in a collective delays exit once
     for lane in list(_LANES):
         lane.stop(deadline - time.monotonic())
+    settle(max(deadline - time.monotonic(), 0.0))
+    _KEPT.clear()  # each group's destructor runs here, with the GIL released, its threads idle

@@ -2,15 +2,25 @@
 
 Payloads differ in length from rank to rank, one of them empty, so the size exchange, the
 padding and the trimming all have to be right for every rank to get every rank's exact bytes.
+
+Also: a process group gradsync exchanged over outlives the script's own references to it, until
+exit (freed earlier, it can hang or abort the process).
 """
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
+import torch.distributed as dist
 from dist_harness import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from gradsync.comm import TorchComm, allgather_bytes, allgather_object
+import gradsync
+from gradsync.comm import TorchComm, allgather_bytes, allgather_object, settle
 
 WORLD_SIZE = 3
 # Payload length per rank, one row per round.
@@ -63,3 +73,25 @@ def test_allgather_object_returns_every_ranks_object_in_rank_order(runs: list[di
         assert [o["rank"] for o in objects] == list(range(WORLD_SIZE)), f"rank {rank}"
         assert [len(o["blob"]) for o in objects] == [1000 * r for r in range(WORLD_SIZE)]
         assert all(torch.equal(o["tensor"], torch.arange(r + 1)) for r, o in enumerate(objects))
+
+
+def outlive_the_model(rank: int, world_size: int) -> dict:
+    """Train a step over a group of its own, then end as a script does: destroy the group right
+    after the last step and drop the model and the SyncState."""
+    group = dist.new_group(list(range(world_size)))
+    model = DistributedDataParallel(nn.Linear(8, 4), process_group=group)
+    state = gradsync.register(model, gradsync.SyncConfig(min_compress_numel=0, warmup_steps=2))
+    for _ in range(3):
+        model(torch.ones(2, 8)).sum().backward()
+    kept = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del model, group, state
+    gc.collect()
+    return {"kept": kept() is not None, "settled": settle(timeout_s=5.0)}
+
+
+def test_a_process_group_gradsync_used_is_kept_until_exit() -> None:
+    """Freed at the end of a script, by DDP's reducer or by a callback on gloo's worker thread, a
+    group may hang the process or abort it (comm.py says why): gradsync holds it until exit."""
+    for rank, out in enumerate(run_ranks(outlive_the_model, 2, timeout_s=60)):
+        assert out == {"kept": True, "settled": True}, f"rank {rank}"
