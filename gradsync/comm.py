@@ -172,7 +172,10 @@ def _outcome(work: dist.Work, name: str, sent: torch.Tensor, value: Callable[[],
         try:
             future.value()
         except RuntimeError as error:
-            error.__traceback__ = None  # were it kept with the work, it would hold `done` (below)
+            # The CollectiveError raised from `out` in this block takes `error` as its context
+            # (and a Python future keeps `error` itself): its traceback would hold this frame,
+            # hence `done` and its token (below), as long as the error lives.
+            error.__traceback__ = None
             out.set_exception(CollectiveError(_failed(name, sent, error)))
         else:
             out.set_result(value())
@@ -293,18 +296,18 @@ def gather_object(comm: Comm, obj: Any, dst: int, device: torch.device) -> list[
 
 # A process group's destructor joins its worker threads, and those threads need the GIL while they
 # finish gradsync's work: they run each collective's completion callback (every later step of its
-# exchange), then free the work and the tensors it held. Destroyed on one of those threads (the
-# last reference held by a callback), the group joins its own thread and aborts the process
-# ("Resource deadlock avoided"); destroyed by a thread that holds the GIL (DDP's reducer, freed with
-# the model once destroy_process_group has dropped torch's references), it waits forever. Both
-# were seen at the end of a two-rank script that destroyed its group right after its last step, 1
-# run in 40 each. So gradsync keeps every group it exchanges over until the interpreter exits, and
-# then lets go of them on the main thread, once their callbacks are done, with the GIL released
-# while each is destroyed (as torch's ProcessGroup objects do). A group destroyed earlier thus
-# keeps its threads and sockets until exit.
+# exchange), then free the work and the tensors it held. If a callback drops the last reference to
+# the group, its destructor runs on that worker, joins the thread it runs on, and aborts the
+# process ("Resource deadlock avoided": 1 run in 40 of a two-rank script that destroyed its group
+# right after its last step). Held weakly instead, the group was freed by DDP's reducer, with the
+# model, on a thread that held the GIL, and waited forever for a worker that needed it (twice in
+# the next ~100 runs). torch's destroy_process_group waits for its own completion hooks, not for
+# Future callbacks. So gradsync keeps every group it exchanges over until the interpreter exits;
+# then, once every callback has been freed, it lets go of them on the main thread, where torch
+# frees a ProcessGroup object with the GIL released (a model still alive then frees its own
+# reference later, as without gradsync). A group destroyed earlier keeps its threads and sockets
+# until exit.
 _KEPT: dict[int, dist.ProcessGroup] = {}
-_running = 0  # completion callbacks not yet freed
-_settled = threading.Condition()  # reentrant: a callback may be freed by a collection inside wait_for
 
 
 def _keep_until_exit(group: dist.ProcessGroup | None) -> None:
@@ -313,18 +316,20 @@ def _keep_until_exit(group: dist.ProcessGroup | None) -> None:
 
 
 class _Running:
-    """Counts a completion callback as running from its creation until it is freed."""
+    """Counts a completion callback as running from its creation until it is freed. The count
+    lives on the class, which every token holds: one freed late in finalization still finds it."""
+
+    count = 0
+    changed = threading.Condition()  # reentrant: a token may be freed by a collection inside wait_for
 
     def __init__(self) -> None:
-        global _running
-        with _settled:
-            _running += 1
+        with _Running.changed:
+            _Running.count += 1
 
     def __del__(self) -> None:
-        global _running
-        with _settled:
-            _running -= 1
-            _settled.notify_all()
+        with self.changed:
+            type(self).count -= 1
+            self.changed.notify_all()
 
 
 def settle(timeout_s: float = 10.0) -> bool:
@@ -333,8 +338,8 @@ def settle(timeout_s: float = 10.0) -> bool:
     backend's worker, which may be holding one itself)."""
     if isinstance(threading.current_thread(), threading._DummyThread):
         return False
-    with _settled:
-        return _settled.wait_for(lambda: _running == 0, timeout=timeout_s)
+    with _Running.changed:
+        return _Running.changed.wait_for(lambda: _Running.count == 0, timeout=timeout_s)
 
 
 class Lane:
@@ -457,5 +462,7 @@ def _stop_lanes() -> None:
     deadline = time.monotonic() + 10.0  # one bound for all: a lane stuck in a collective delays exit once
     for lane in list(_LANES):
         lane.stop(deadline - time.monotonic())
-    settle(max(deadline - time.monotonic(), 0.0))
-    _KEPT.clear()  # each group's destructor runs here, with the GIL released, its threads idle
+    # A collective still waiting on a peer would make a group's destructor wait with it (up to
+    # the group's timeout): those groups are then left to the process's end.
+    if settle(max(deadline - time.monotonic(), 0.0)):
+        _KEPT.clear()

@@ -5,6 +5,9 @@ for that worker: the hang this prevents."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -26,6 +29,7 @@ class _Work:
 
 
 def test_settle_waits_for_every_step_a_completion_runs_on_the_completing_thread() -> None:
+    assert settle(timeout_s=1.0), "a callback of an earlier test is still held: the count is process-wide"
     work, tensor, steps = _Work(), torch.ones(4), []
 
     def slow_decode(value: torch.Tensor) -> torch.Tensor:
@@ -45,9 +49,43 @@ def test_settle_waits_for_every_step_a_completion_runs_on_the_completing_thread(
 
 
 def test_a_failed_collective_is_settled_too() -> None:
+    assert settle(timeout_s=1.0), "a callback of an earlier test is still held: the count is process-wide"
     work, tensor = _Work(), torch.ones(2)
     out = _outcome(work, "allgather", tensor, lambda: tensor)  # type: ignore[arg-type]
     work.future.set_exception(RuntimeError("peer gone"))
     assert settle(timeout_s=1.0)
     with pytest.raises(CollectiveError, match="allgather of 2 float32 elements failed: peer gone"):
         out.wait()
+
+
+def test_at_exit_the_callbacks_are_settled_and_the_groups_let_go() -> None:
+    # A script that trains over gloo and destroys its group right after its last step, as one
+    # ends. An exit handler registered before gradsync's runs after it (last in, first out): it
+    # sees what gradsync left for the interpreter's finalization.
+    script = textwrap.dedent(
+        """
+        import atexit, os, sys
+        def left():
+            comm = sys.modules["gradsync.comm"]
+            print("left:", comm._Running.count, len(comm._KEPT))
+        atexit.register(left)
+        import torch, torch.distributed as dist
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel
+        import gradsync
+        import gradsync.comm as comm
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        store = dist.TCPStore("127.0.0.1", 0, 1, True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        model = DistributedDataParallel(nn.Linear(8, 4))
+        gradsync.register(model, gradsync.SyncConfig(min_compress_numel=0, warmup_steps=2))
+        for _ in range(4):
+            model(torch.ones(2, 8)).sum().backward()
+        print("kept:", len(comm._KEPT))
+        dist.destroy_process_group()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "kept: 1" in done.stdout, done.stdout
+    assert "left: 0 0" in done.stdout, done.stdout
