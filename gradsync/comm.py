@@ -88,7 +88,7 @@ class TorchComm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        _keep_until_exit(group if group is not None else dist.group.WORLD)
+        _KEPT.add(group if group is not None else dist.group.WORLD)
 
     @property
     def timeout(self) -> timedelta | None:
@@ -307,12 +307,7 @@ def gather_object(comm: Comm, obj: Any, dst: int, device: torch.device) -> list[
 # frees a ProcessGroup object with the GIL released (a model still alive then frees its own
 # reference later, as without gradsync). A group destroyed earlier keeps its threads and sockets
 # until exit.
-_KEPT: dict[int, dist.ProcessGroup] = {}
-
-
-def _keep_until_exit(group: dist.ProcessGroup | None) -> None:
-    if group is not None:
-        _KEPT.setdefault(id(group), group)
+_KEPT: set[dist.ProcessGroup] = set()
 
 
 class _Running:

@@ -24,7 +24,6 @@ import copy
 import itertools
 import json
 import logging
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from .comm import Comm, LocalComm, TorchComm, allgather_object
+from .compress import PAST_WARMUP
 from .compress.base import check_int, check_real
 from .config import NO_COMPRESSION, SyncConfig
 from .sync import SyncState, collective_device, describe_differences
@@ -62,7 +62,7 @@ class _OuterSyncState(SyncState):
     of a run, sending a quarter of the entries where `ratio` was asked for."""
 
     def _compressed_before(self, step: int) -> int:
-        return sys.maxsize
+        return PAST_WARMUP
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,6 @@ import dataclasses
 import logging
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -52,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import levels, profile
 from .autoplan import CANDIDATES, Measured, candidates, codec_specs
 from .comm import Comm, allgather_object
+from .compress import PAST_WARMUP
 from .config import SyncConfig
 from .ddp import hook
 from .plan import Plan, signature
@@ -369,7 +369,7 @@ class AutoState(SyncState):
         # A candidate is timed as it will run once warmed up: a sparsifier's warm-up keeps a
         # quarter of the entries at first, and timing that would rule it out. The adopted plan's codecs, made
         # once planning is done, take up the warm-up where training stands.
-        return super()._compressed_before(step) if self.done else sys.maxsize
+        return super()._compressed_before(step) if self.done else PAST_WARMUP
 
     def note_errors(self, bucket: dist.GradBucket) -> None:
         """Each level's compression error on each gradient of `bucket`, before it is exchanged."""

@@ -79,9 +79,14 @@ def build(name: str, **params: Any) -> Compressor:
     return registry.construct(REGISTRY, "compressor", name, params)
 
 
+# A count of compressed steps that every warm-up has ended by: where a codec made to run as after
+# its warm-up (plans, profiles, plan="auto"'s candidates, DiLoCo's outer gradients) stands.
+PAST_WARMUP = sys.maxsize
+
+
 def warmed_up(codec: Compressor) -> Compressor:
     """`codec` moved past its warm-up (Compressor.warms_up), as it runs after it: what plans,
     profiles and `gradsync list` describe. Other codecs are returned as they are."""
     if type(codec).warms_up:
-        codec.steps = sys.maxsize  # type: ignore[attr-defined]
+        codec.steps = PAST_WARMUP  # type: ignore[attr-defined]
     return codec
