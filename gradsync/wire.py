@@ -159,10 +159,22 @@ def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
     return pack_bits(mask, 1)
 
 
-def decode_indices(encoded: torch.Tensor, numel: int, count: int) -> torch.Tensor:
-    """Inverse of encode_indices: `count` int64 indices, each checked to lie in [0, numel)."""
+def check_encoded_indices(encoded: torch.Tensor, numel: int, count: int) -> None:
+    """Raise ValueError unless `encoded` is as long as encode_indices makes `count` indices into
+    `numel` elements."""
     expected = index_nbytes(numel, count)
     _check_wire_bytes(encoded, expected, "encoded indices", f"{count} indices into {numel} elements")
+
+
+def check_marked(marked: int, count: int) -> None:
+    """Raise ValueError unless an index bitmap marks as many elements as its payload has values."""
+    if marked != count:
+        raise ValueError(f"index bitmap marks {marked} elements but the payload carries {count} values")
+
+
+def decode_indices(encoded: torch.Tensor, numel: int, count: int) -> torch.Tensor:
+    """Inverse of encode_indices: `count` int64 indices, each checked to lie in [0, numel)."""
+    check_encoded_indices(encoded, numel, count)
     if index_format(numel, count) == "coo":
         if encoded.storage_offset() % 4 or encoded.data_ptr() % 4:
             encoded = encoded.clone()  # a misaligned slice cannot be viewed as int32
@@ -170,10 +182,7 @@ def decode_indices(encoded: torch.Tensor, numel: int, count: int) -> torch.Tenso
         check_indices(indices, numel)
         return indices
     indices = unpack_bits(encoded, 1, numel).nonzero().squeeze(1)
-    if indices.numel() != count:
-        raise ValueError(
-            f"index bitmap marks {indices.numel()} elements but the payload carries {count} values"
-        )
+    check_marked(indices.numel(), count)
     return indices
 
 

@@ -6,6 +6,7 @@ codec both ways (native.disabled() is the torch path) and compares bit patterns,
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -16,7 +17,16 @@ import pytest
 import torch
 
 from gradsync.compress import build, native
-from gradsync.compress.sparse import exact_topk, magnitude_at_least, sampled_topk
+from gradsync.compress.sparse import (
+    COUNT_FROM_DENSITY,
+    add_sparse_,
+    exact_topk,
+    magnitude_at_least,
+    sampled_topk,
+    sparse_payload,
+    sub_sparse_,
+)
+from gradsync.wire import encode_indices
 
 COMPILER = shlex.split(os.environ.get("CC") or "cc")[0]
 pytestmark = pytest.mark.skipif(
@@ -172,6 +182,88 @@ def half_edge_cases() -> torch.Tensor:
     scaled = edges.repeat_interleave(8) * torch.linspace(0.999, 1.001, 8).repeat(edges.numel())
     ties = (torch.arange(1, 2049, dtype=torch.float32) + 0.5) * 2.0**-24  # half-way between halves
     return torch.cat([scaled * 3, scaled * 4, ties * 3, ties * 4, torch.randn(100_003, generator=g) * 1e3])
+
+
+def largest_first(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference for native.top_magnitudes: ascending positions of the k largest magnitudes,
+    NaN above infinity, equal magnitudes taken from the lowest position up (a stable sort)."""
+    sizes = (x.view(torch.int32) & 0x7FFFFFFF).long()  # NaN's patterns lie above infinity's
+    return torch.sort(sizes, descending=True, stable=True).indices[:k].sort().values
+
+
+@pytest.mark.parametrize("numel", [*SIZES, 100_003])
+def test_the_counted_top_k_is_the_k_largest_magnitudes_with_ties_to_the_lower_position(numel):
+    g = torch.Generator().manual_seed(numel)
+    ties = torch.randint(-3, 4, (numel,), generator=g).float()  # seven magnitudes, many ties
+    ties[ties == 0] = -0.0 if numel % 2 else 0.0
+    edges = gradient(numel, seed=numel)
+    edges[numel // 3] = float("nan")
+    edges[numel // 5] = -float("inf")
+    for x in (ties, edges):
+        for k in sorted(
+            {1, max(1, numel // 32), max(1, numel // 4), max(1, numel // 2), max(1, numel - 1), numel}
+        ):
+            assert torch.equal(native.top_magnitudes(x, k), largest_first(x, k)), (numel, k)
+
+
+@pytest.mark.parametrize("density", [COUNT_FROM_DENSITY, 0.25, 0.75])
+def test_a_dense_sampled_top_k_is_counted_and_keeps_the_same_magnitudes_both_ways(density):
+    x = gradient(100_003, seed=9)
+    k = int(x.numel() * density) + 1
+
+    def sampled():
+        return sampled_topk(x, k, 0.01, torch.Generator().manual_seed(0))
+
+    fast, slow = both_ways(sampled)
+    assert torch.equal(fast, largest_first(x, k))  # counted: no sample drawn
+    assert torch.equal(x.abs()[fast].sort().values, x.abs()[slow].sort().values)
+
+
+@pytest.mark.parametrize("numel", [129, 1000, 4097, 100_003])
+def test_bitmap_payloads_are_encoded_added_and_subtracted_with_the_torch_ops_bits(numel):
+    x = gradient(numel, seed=numel + 1)
+    x[1::7] = -0.0  # sent -0.0 values: subtracted as +0.0 by both paths
+    indices = torch.arange(0, numel, 3)  # a density above 1/32: a bitmap; some of them -0.0
+    out = gradient(numel, seed=numel + 2)
+    out[::5] = -0.0
+
+    def apply():
+        payload = sparse_payload(x, indices)
+        added, subtracted = out.clone(), out.clone()
+        add_sparse_(added, payload)
+        sub_sparse_(subtracted, payload)
+        return [*payload, added, subtracted]
+
+    fast, slow = both_ways(apply)
+    assert torch.equal(fast[0], encode_indices(indices, numel))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(fast, slow, strict=True))
+
+
+def test_a_bitmap_that_marks_more_entries_than_its_values_is_refused_before_any_write():
+    numel = 1001  # the last byte holds one entry's bit and seven of padding
+    x = gradient(numel, seed=11)
+    bitmap, values = sparse_payload(x, largest_first(x, 300))
+    unmarked = int((bitmap[:-1] == 0).nonzero()[0])
+    bad = bitmap.clone()
+    bad[unmarked] = 1
+    out = torch.ones(numel)
+    for fn in (add_sparse_, sub_sparse_):
+        with pytest.raises(ValueError, match="marks 301 elements but the payload carries 300 values"):
+            fn(out, (bad, values))
+        assert torch.equal(out, torch.ones(numel))
+    # Padding bits are not read, by either path: a bitmap with them set decodes as without.
+    padded = bitmap.clone()
+    padded[-1] |= 0xFE
+
+    def decoded(encoded: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(numel)
+        add_sparse_(out, (encoded, values))
+        return out
+
+    for encoded in (padded, bitmap):
+        fast, slow = both_ways(functools.partial(decoded, encoded))
+        assert torch.equal(bits(fast), bits(slow))
+        assert torch.equal(fast.nonzero().squeeze(1), largest_first(x, 300))
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])

@@ -70,6 +70,10 @@ _SIGNATURES = {
     "gs_absmax_encode_corrected": (None, [_ptr, _ptr, _f32, _i64, _i64, _i32, _ptr, _ptr, _ptr]),
     "gs_absmax_decode": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i32, _i32]),
     "gs_at_least": (_i64, [_ptr, _i64, _f32, _ptr, _i64]),
+    "gs_top_magnitudes": (None, [_ptr, _i64, _i64, _ptr]),
+    "gs_bitmap_count": (_i64, [_ptr, _i64]),
+    "gs_bitmap_of": (None, [_ptr, _i64, _i64, _ptr]),
+    "gs_bitmap_add": (None, [_ptr, _ptr, _ptr, _i64, _i32]),
     "gs_cast_mean": (None, [_ptr, _i64, _f32, _i32, _ptr]),
 }
 _HALF, _BFLOAT16, _HALF_PORTABLE = 0, 1, 2  # gs_cast_mean's kinds
@@ -181,6 +185,32 @@ def at_least(x: torch.Tensor, threshold: float, expected: int) -> torch.Tensor:
 
     _in_pieces(x.numel(), 1, piece)
     return found[0] if len(found) == 1 else torch.cat([found[lo] for lo in sorted(found)])
+
+
+def top_magnitudes(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 positions of the k entries of float32 `x` with the largest magnitudes
+    (ties: the first ones), 0 < k <= x.numel(): four passes over `x`, whatever k is."""
+    indices = torch.empty(k + 1, dtype=torch.int64)  # the kernel writes one past the last kept
+    _call("gs_top_magnitudes", x.data_ptr(), x.numel(), k, indices.data_ptr())
+    return indices[:k]
+
+
+def bitmap_count(bitmap: torch.Tensor, numel: int) -> int:
+    """How many of `numel` entries a uint8 bitmap (wire.pack_bits's layout) marks."""
+    return _call("gs_bitmap_count", bitmap.data_ptr(), numel)
+
+
+def bitmap_of(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """The uint8 bitmap (wire.pack_bits's layout) marking distinct int64 `indices` below `numel`."""
+    bitmap = torch.empty((numel + 7) // 8, dtype=torch.uint8)
+    _call("gs_bitmap_of", indices.data_ptr(), indices.numel(), numel, bitmap.data_ptr())
+    return bitmap
+
+
+def bitmap_add(out: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor, negate: bool) -> None:
+    """float32 `out` += (or, `negate`, -= 0 +) float32 `values` at the entries the bitmap marks,
+    in ascending order; `values` must hold bitmap_count(bitmap, out.numel()) entries."""
+    _call("gs_bitmap_add", out.data_ptr(), bitmap.data_ptr(), values.data_ptr(), out.numel(), int(negate))
 
 
 def cast_mean(x: torch.Tensor, divisor: int, out: torch.Tensor, portable: bool = False) -> None:

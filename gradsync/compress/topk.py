@@ -23,7 +23,9 @@ class TopK(Sparsifier, SeededCompressor):
     mode="exact" uses torch.topk. mode="sampled" estimates the magnitude threshold from a random
     sample of `sample_ratio` of the entries, keeps the candidates above it and then takes the exact
     top-k among those few: exactly k entries, the same as "exact" up to ties, because the
-    threshold is lowered until it admits at least k candidates.
+    threshold is lowered until it admits at least k candidates. From a density of 1/32 up (the
+    warm-up's first half) it counts the exact top-k on the CPU instead (native.c's radix select),
+    as the candidates would be too many to rank cheaply.
 
     Over its first `sparsity_warmup_steps` compressed steps it keeps more, 25% -> 6.25% -> 1.5625%
     of the entries (DGC's warm-up, compress.sparse.warmup_density; never fewer than `ratio`):
