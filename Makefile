@@ -114,7 +114,8 @@ bench-plan-train: $(STAMP)
 bench-fidelity: $(STAMP)
 	$(BIN)/python -m gradsync bench fidelity --out docs/bench-fidelity
 
-# Compress + decompress time of every compressor vs a plain copy; writes docs/bench-kernels/results.json.
+# Compress + decompress time of every compressor, and its encode alone as the hook runs it, vs a
+# plain copy; writes docs/bench-kernels/results.json.
 bench-kernels: $(STAMP)
 	$(BIN)/python -m gradsync bench kernels
 

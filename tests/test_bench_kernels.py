@@ -61,6 +61,29 @@ def test_ratio_is_seconds_over_the_clone_seconds_timed_beside_it(results):
         assert r.ratio == pytest.approx(r.seconds / r.clone_seconds, rel=1e-12), r.label
 
 
+def test_encode_ratio_is_the_encode_over_a_copy_timed_beside_it(results):
+    for r in results:
+        assert r.encode_seconds > 0 and r.copy_seconds > 0, r.label
+        assert r.encode_ratio == pytest.approx(r.encode_seconds / r.copy_seconds, rel=1e-12), r.label
+
+
+def test_int4_is_timed_encoding_with_one_error_memory_as_the_hook_does(monkeypatch):
+    # int4 needs feedback and fuses it: the hook's encode writes the residual as it goes, into
+    # memory made once. int8 fuses it but runs without feedback by default; fp16 has none.
+    seen: list[tuple[str, int, int]] = []
+    for name in ("int4", "int8", "fp16"):
+        kind = compress.lookup(name)
+
+        def corrected(self, g, base, alpha, out, _original=kind.compress_corrected, _name=name):
+            seen.append((_name, base.data_ptr(), out.data_ptr()))
+            return _original(self, g, base, alpha, out)
+
+        monkeypatch.setattr(kind, "compress_corrected", corrected)
+    kernels.run(numel=NUMEL, repeats=2, labels=["int4", "int8", "fp16"])
+    assert [name for name, _, _ in seen] == ["int4"] * 3  # one untimed call, two timed
+    assert len({(base, out) for _, base, out in seen}) == 1  # the same memory and spare each time
+
+
 def test_targets_are_set_exactly_for_labels_with_one_and_judged_by_the_ratio(results):
     for r in results:
         assert r.target == kernels.TARGETS.get(r.label), r.label

@@ -2,6 +2,11 @@
 
 Each codec is timed on one fp32 tensor against `x.clone()` of the same tensor in the same run, so
 the ratio cancels out most of the machine's memory bandwidth and is comparable across machines.
+Its encode is also timed alone, as the hook runs it by default (a codec that needs error feedback
+and fuses it encodes with its memory and writes the residual as it goes: compress_corrected),
+against a copy of x into a tensor written before: neither side pays page faults there, which
+swamp the round trip's (the corrected encode's loop, left scalar, took 2.6x as long for a while,
+and int4's ratio to the clone moved within its noise).
 
 Example:
     >>> from gradsync.bench import kernels
@@ -72,6 +77,9 @@ class KernelResult:
     seconds: float  # median compress + decompress time
     clone_seconds: float  # median x.clone() time of the same run
     ratio: float  # seconds / clone_seconds; lower is better
+    encode_seconds: float  # median encode alone, as the hook's default runs it
+    copy_seconds: float  # median copy of x into a tensor written before, timed beside it
+    encode_ratio: float  # encode_seconds / copy_seconds
     bits_per_element: float  # payload bits actually produced, per input element
     target: float | None  # the ratio to stay at or below
     meets_target: bool | None
@@ -119,8 +127,8 @@ def format_table(results: Sequence[KernelResult], threads: int) -> str:
     lines = [
         f"numel={numel:,} fp32, threads={threads}, clone={clone_ms} ms (median over rows)",
         "",
-        "| compressor | args | ms | clone ms | x clone | bits/elem | target | met |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| compressor | args | ms | clone ms | x clone | bits/elem | target | met | encode ms | x copy |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in results:
         args = ", ".join(f"{k}={v}" for k, v in r.args.items()) or "-"
@@ -128,7 +136,8 @@ def format_table(results: Sequence[KernelResult], threads: int) -> str:
         met = {None: "-", True: "yes", False: "**no**"}[r.meets_target]
         lines.append(
             f"| {r.label} | {args} | {1e3 * r.seconds:.1f} | {1e3 * r.clone_seconds:.1f} | {r.ratio:.2f} | "
-            f"{r.bits_per_element:.3f} | {target} | {met} |"
+            f"{r.bits_per_element:.3f} | {target} | {met} | {1e3 * r.encode_seconds:.1f} | "
+            f"{r.encode_ratio:.2f} |"
         )
     missed = [f"{r.label} ({r.ratio:.1f}x > {r.target:g}x)" for r in results if r.meets_target is False]
     lines.append("")
@@ -183,6 +192,7 @@ def _time_variant(variant: Variant, x: torch.Tensor, repeats: int, seed: int) ->
 
     Fresh allocations cost page faults whose price drifts with the machine's memory state, so each
     codec call is paired with a clone timed right before it: the ratio compares like with like.
+    The encode alone is paired the same way with a copy into a tensor written before.
     One untimed call of each first: lazy initialisation is not a per-call cost.
     """
     _, name, args = variant
@@ -195,14 +205,39 @@ def _time_variant(variant: Variant, x: torch.Tensor, repeats: int, seed: int) ->
         codec.decompress(payload, ctx)
         return payload
 
+    encode = _encode_as_the_hook_does(codec, x)
+    copied = torch.empty_like(x)
     payload = round_trip()
+    encode()
     x.clone()
-    codec_times, clone_times = [], []
+    copied.copy_(x)
+    codec_times, clone_times, encode_times, copy_times = [], [], [], []
     for _ in range(repeats):
         clone_times.append(_seconds(x.clone))
         codec_times.append(_seconds(round_trip))
-    bits = 8 * sum(t.nbytes for t in payload) / x.numel()
-    return _result(variant, x.numel(), statistics.median(codec_times), statistics.median(clone_times), bits)
+        copy_times.append(_seconds(lambda: copied.copy_(x)))
+        encode_times.append(_seconds(encode))
+    median = statistics.median
+    return _result(
+        variant,
+        payload,
+        x.numel(),
+        seconds=median(codec_times),
+        clone_seconds=median(clone_times),
+        encode_seconds=median(encode_times),
+        copy_seconds=median(copy_times),
+    )
+
+
+def _encode_as_the_hook_does(codec: compress.Compressor, x: torch.Tensor) -> Callable[[], Any]:
+    """The encode of `x` as error_feedback="auto" runs it: with the codec's fused feedback where it
+    needs feedback and fuses it (into an error memory and a spare buffer made once, alpha 1/4: four
+    ranks' shares), else plain compress."""
+    kind = type(codec)
+    if not (kind.needs_feedback and kind.fuses_feedback):
+        return lambda: codec.compress(x)
+    memory, spare = torch.zeros_like(x), torch.zeros_like(x)
+    return lambda: codec.compress_corrected(x, memory, 0.25, spare)
 
 
 def _seconds(fn: Callable[[], Any]) -> float:
@@ -212,7 +247,14 @@ def _seconds(fn: Callable[[], Any]) -> float:
 
 
 def _result(
-    variant: Variant, numel: int, seconds: float, clone_seconds: float, bits_per_element: float
+    variant: Variant,
+    payload: compress.Payload,
+    numel: int,
+    *,
+    seconds: float,
+    clone_seconds: float,
+    encode_seconds: float,
+    copy_seconds: float,
 ) -> KernelResult:
     label, name, args = variant
     ratio = seconds / clone_seconds
@@ -225,7 +267,10 @@ def _result(
         seconds=seconds,
         clone_seconds=clone_seconds,
         ratio=ratio,
-        bits_per_element=bits_per_element,
+        encode_seconds=encode_seconds,
+        copy_seconds=copy_seconds,
+        encode_ratio=encode_seconds / copy_seconds,
+        bits_per_element=8 * sum(t.nbytes for t in payload) / numel,
         target=target,
         meets_target=None if target is None else ratio <= target,
     )

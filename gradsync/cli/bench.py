@@ -15,7 +15,8 @@ from ..bench import kernels
 
 def _add_bench_kernels(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
     kernels_parser = benches.add_parser(
-        "kernels", help="compress + decompress time of every compressor, as a ratio to a plain copy"
+        "kernels",
+        help="compress + decompress time of every compressor, and its encode alone, as ratios to a copy",
     )
     kernels_parser.add_argument(
         "--numel", type=int, default=2**24, help="fp32 elements of the tensor (default 2**24)"
