@@ -211,16 +211,21 @@ def test_a_dense_sampled_top_k_is_counted_and_keeps_the_same_magnitudes_both_way
     x = gradient(100_003, seed=9)
     k = int(x.numel() * density) + 1
 
-    def sampled():
-        return sampled_topk(x, k, 0.01, torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    counted = sampled_topk(x, k, 0.01, generator)
+    assert torch.equal(generator.get_state(), torch.Generator().manual_seed(0).get_state())  # no sample
+    assert torch.equal(counted, largest_first(x, k))
+    with native.disabled():
+        sampled = sampled_topk(x, k, 0.01, generator)
+    assert torch.equal(x.abs()[counted].sort().values, x.abs()[sampled].sort().values)
 
-    fast, slow = both_ways(sampled)
-    assert torch.equal(fast, largest_first(x, k))  # counted: no sample drawn
-    assert torch.equal(x.abs()[fast].sort().values, x.abs()[slow].sort().values)
 
-
-@pytest.mark.parametrize("numel", [129, 1000, 4097, 100_003])
-def test_bitmap_payloads_are_encoded_added_and_subtracted_with_the_torch_ops_bits(numel):
+@pytest.mark.parametrize("numel", [1, 40, 64, 128, 129, 1000, 1024, 4097, 100_003])
+def test_bitmap_payloads_are_encoded_added_and_subtracted_with_the_torch_ops_bits(numel, monkeypatch):
+    calls: list[str] = []
+    for name in ("bitmap_of", "bitmap_add"):
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     x = gradient(numel, seed=numel + 1)
     x[1::7] = -0.0  # sent -0.0 values: subtracted as +0.0 by both paths
     indices = torch.arange(0, numel, 3)  # a density above 1/32: a bitmap; some of them -0.0
@@ -235,21 +240,26 @@ def test_bitmap_payloads_are_encoded_added_and_subtracted_with_the_torch_ops_bit
         return [*payload, added, subtracted]
 
     fast, slow = both_ways(apply)
+    assert calls == ["bitmap_of", "bitmap_add", "bitmap_add"]  # the kernels ran, once each way
     assert torch.equal(fast[0], encode_indices(indices, numel))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(fast, slow, strict=True))
 
 
-def test_a_bitmap_that_marks_more_entries_than_its_values_is_refused_before_any_write():
+def test_a_bitmap_that_marks_more_or_fewer_entries_than_its_values_is_refused_before_any_write():
     numel = 1001  # the last byte holds one entry's bit and seven of padding
     x = gradient(numel, seed=11)
     bitmap, values = sparse_payload(x, largest_first(x, 300))
     unmarked = int((bitmap[:-1] == 0).nonzero()[0])
-    bad = bitmap.clone()
-    bad[unmarked] = 1
+    more = bitmap.clone()
+    more[unmarked] = 1
+    fewer = torch.zeros_like(bitmap)
     out = torch.ones(numel)
     for fn in (add_sparse_, sub_sparse_):
-        with pytest.raises(ValueError, match="marks 301 elements but the payload carries 300 values"):
-            fn(out, (bad, values))
+        for encoded, marked in ((more, 301), (fewer, 0)):
+            with pytest.raises(
+                ValueError, match=f"marks {marked} elements but the payload carries 300 values"
+            ):
+                fn(out, (encoded, values))
         assert torch.equal(out, torch.ones(numel))
     # Padding bits are not read, by either path: a bitmap with them set decodes as without.
     padded = bitmap.clone()

@@ -38,7 +38,8 @@ class DGC(SeededCompressor):
         v <- v + u                                   accumulation
         send the top-k of v by magnitude; v <- 0 and, with masking, u <- 0 where sent
     The top-k threshold comes from a sample of `sample_ratio` of the entries, with a correction
-    pass that keeps exactly k. Density follows the warm-up schedule 25% -> 6.25% -> 1.5625% ->
+    pass that keeps exactly k (from a density of 1/32 up, on the CPU, an exact count instead:
+    compress.sparse.sampled_topk). Density follows the warm-up schedule 25% -> 6.25% -> 1.5625% ->
     0.4%, over `sparsity_warmup_steps` compressed steps (compress.sparse.warmup_density), then
     `ratio`.
 

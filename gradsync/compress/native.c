@@ -241,8 +241,8 @@ int64_t gs_at_least(const float *restrict x, int64_t numel, float threshold, int
 }
 
 /* The ascending positions of the k entries of 1-D `x` with the largest magnitudes, exactly, into
- * `indices`, which has room for k + 1 (0 < k <= numel; the caller takes the rest). A radix
- * select: with the sign bit cleared, floats order as their bit patterns do, NaN's above
+ * `indices`, which has room for k + 1; 0 < k < numel (k == 0 and k >= numel are the caller's).
+ * A radix select: with the sign bit cleared, floats order as their bit patterns do, NaN's above
  * infinity's (torch.topk ranks NaN largest too), so the k-th largest magnitude's pattern is found
  * by counting, 11, 11 and 9 bits at a time, each pass over the entries that share the bits found
  * so far; a last pass writes every position above it and, of those equal to it, the first ones,
@@ -254,30 +254,32 @@ void gs_top_magnitudes(const float *restrict x, int64_t numel, int64_t k, int64_
     static const int shifts[3] = {20, 9, 0}; /* each level's lowest bit: bits 20-30, 9-19, 0-8 */
     const uint32_t *restrict patterns = (const uint32_t *)x; /* built with -fno-strict-aliasing */
     int64_t counts[1 << 11];
-    uint32_t threshold = 0; /* the k-th largest pattern, its bits above the level's found */
-    int64_t wanted = k;     /* how many of the entries matching those bits are still to take */
+    uint32_t kth_pattern = 0; /* the k-th largest magnitude's pattern: its bits found so far */
+    int64_t wanted = k;       /* how many of the entries matching those bits are still to take */
     for (int level = 0; level < 3; ++level) {
         const int shift = shifts[level], above = level == 0 ? 31 : shifts[level - 1];
-        const uint32_t mask = level == 0 ? 0x7ffu : (1u << (above - shift)) - 1u;
+        const uint32_t mask = (1u << (above - shift)) - 1u;
         memset(counts, 0, (mask + 1) * sizeof counts[0]);
         for (int64_t i = 0; i < numel; ++i) {
             const uint32_t size = patterns[i] & 0x7fffffffu;
-            if ((size >> above) == (threshold >> above))
+            if ((size >> above) == (kth_pattern >> above))
                 ++counts[(size >> shift) & mask];
         }
-        uint32_t bin = mask; /* from the top down to the bin holding the wanted-th largest */
+        /* From the top bin down to the one holding the wanted-th largest: the bins counted hold
+         * at least `wanted` entries, so bin never passes 0. */
+        uint32_t bin = mask;
         while (counts[bin] < wanted)
             wanted -= counts[bin--];
-        threshold |= bin << shift;
+        kth_pattern |= bin << shift;
     }
     /* Without a branch on the data, which a quarter of the entries passing would mispredict:
-     * each position is written, and kept by counting it. `indices` has room for k + 1. */
+     * each position is written, and kept by counting it. */
     int64_t count = 0, ties = 0;
     for (int64_t i = 0; i < numel; ++i) {
         const uint32_t size = patterns[i] & 0x7fffffffu;
-        const int64_t equal = size == threshold;
+        const int64_t equal = size == kth_pattern;
         indices[count] = i;
-        count += (size > threshold) | (equal & (ties < wanted));
+        count += (size > kth_pattern) | (equal & (ties < wanted));
         ties += equal;
     }
 }

@@ -3,7 +3,8 @@
 A torch op is one pass over its operands, so a codec written in torch ops reads and writes a
 full-size array once per op: int4's encode alone took eleven passes. The kernels in native.c do
 each codec step in one pass and give the same bits as the torch ops (that file says how), so
-whether a rank has them changes its speed, never its results; tests compare the two paths.
+whether a rank has them changes its speed, not its results (one exception, below); tests
+compare the two paths.
 
 native.c is plain C99: it is compiled once per machine with the system's C compiler (`$CC`, else
 `cc`) into gradsync's cache directory (`$GRADSYNC_CACHE`, else `$XDG_CACHE_HOME/gradsync`, else
@@ -13,7 +14,12 @@ torch ops run, with one warning. `GRADSYNC_NATIVE=0` turns the kernels off.
 
 Large tensors are cut into as many pieces as torch has threads (torch.get_num_threads()), each
 piece a kernel call on a thread of its own (ctypes lets go of the GIL), as torch's own ops use
-every thread they are given.
+every thread they are given. Not the top-k count and the bitmap kernels, which run top-k's
+warm-up only: one call each (a piece of a bitmap needs the count of the marks before it).
+
+The exception: top-k's counted selection (its warm-up's densities) keeps the first of equal
+magnitudes, where the torch path keeps any of them, and ranks NaN first, as torch.topk does,
+where the sampled threshold never passes one (the hook hands a codec finite gradients only).
 """
 
 from __future__ import annotations
@@ -189,7 +195,9 @@ def at_least(x: torch.Tensor, threshold: float, expected: int) -> torch.Tensor:
 
 def top_magnitudes(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 positions of the k entries of float32 `x` with the largest magnitudes
-    (ties: the first ones), 0 < k <= x.numel(): four passes over `x`, whatever k is."""
+    (ties: the first ones; NaN above infinity), 0 < k <= x.numel(): four passes over `x`,
+    whatever k is."""
+    assert 0 < k <= x.numel(), f"top_magnitudes needs 0 < k <= numel, got k={k} of {x.numel()}"
     indices = torch.empty(k + 1, dtype=torch.int64)  # the kernel writes one past the last kept
     _call("gs_top_magnitudes", x.data_ptr(), x.numel(), k, indices.data_ptr())
     return indices[:k]
@@ -202,6 +210,7 @@ def bitmap_count(bitmap: torch.Tensor, numel: int) -> int:
 
 def bitmap_of(indices: torch.Tensor, numel: int) -> torch.Tensor:
     """The uint8 bitmap (wire.pack_bits's layout) marking distinct int64 `indices` below `numel`."""
+    assert indices.dtype == torch.int64, f"bitmap_of reads int64 positions, got {indices.dtype}"
     bitmap = torch.empty((numel + 7) // 8, dtype=torch.uint8)
     _call("gs_bitmap_of", indices.data_ptr(), indices.numel(), numel, bitmap.data_ptr())
     return bitmap
