@@ -356,9 +356,8 @@ def _allgather(
         flags = [f[sum(layout_nbytes(layout))] for f, layout in zip(frames, layouts, strict=True)]
         if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in payloads)):
             return Exchanged("allgather", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
-        total = torch.zeros_like(x) if out is None else out.zero_()
-        for rank_payload in payloads:  # rank order: the same sum on every rank
-            codec.add_decoded_(total, rank_payload, ctx)
+        total = torch.empty_like(x) if out is None else out
+        codec.sum_decoded_(total, payloads, ctx)  # rank order: the same sum on every rank
         clock.lap("decompress")
         return Exchanged(
             "allgather",
@@ -635,12 +634,14 @@ def _to_owners(
     received = comm.all_to_all(frames, [frames[mine].numel()] * comm.world_size).wait()
     clock.lap("communicate")
     start, end = bounds[mine]
-    summed = into.zero_() if into is not None else flat.new_zeros(end - start)
+    summed = into if into is not None else flat.new_empty(end - start)
     payloads = [from_bytes(frame, layouts[mine]) for frame in received]
     ok = all(frame[-1] == 0 for frame in received) and all(_all_finite(p) for p in payloads)
     if ok and comm.world_size > 1:
-        for payload in payloads:  # rank order: the owner's sum has the same bits on every run
-            codec.add_decoded_(summed, payload, ctxs[mine])
+        # Rank order: the owner's sum has the same bits on every run.
+        codec.sum_decoded_(summed, payloads, ctxs[mine])
+    else:
+        summed.zero_()
     return summed, ok, frames, layouts, ctxs, payloads
 
 

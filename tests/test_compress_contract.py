@@ -313,6 +313,21 @@ def test_add_decoded_adds_exactly_the_decoded_payload(case: Case) -> None:
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+@CASE_PARAMS
+def test_sum_decoded_is_a_zero_plus_each_decoded_payload_in_order(case: Case) -> None:
+    # The decoded sum an allgather or a two-shot owner takes: ranks' payloads added in rank order,
+    # so it has the same bits on every rank; nothing the output held before is read.
+    codec = make(case)
+    compressed = [codec.compress(randn(40, 25, seed=seed)) for seed in (1, 2, 3)]
+    ctx = compressed[0][1]
+    expected = torch.zeros(40, 25)
+    for payload, _ in compressed:
+        expected += codec.decompress(payload, ctx)
+    out = torch.full((40, 25), float("nan"))
+    codec.sum_decoded_(out, [payload for payload, _ in compressed], ctx)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case", MAJORITY_VOTE, ids=case_id)
 @pytest.mark.parametrize("shape", [(1,), (9,), (1001,), (33, 17)])
 def test_majority_vote_payloads_decode_to_plus_or_minus_one(case: Case, shape: tuple[int, ...]) -> None:

@@ -95,6 +95,47 @@ def test_absmax_encode_and_every_decode_give_the_torch_ops_bits(name, block, num
 
 
 @pytest.mark.parametrize("name,block", [("int8", 256), ("int8", 3), ("int4", 128), ("int4", 2)])
+@pytest.mark.parametrize("numel", [*SIZES, 2 * 1024 + 1])
+@pytest.mark.parametrize("count", [1, 2, 4, 5])
+def test_a_sum_of_payloads_has_the_bits_of_a_zero_and_one_add_per_payload(
+    name, block, numel, count, monkeypatch
+):
+    calls = []
+    kernel = native.absmax_sum_decoded
+    monkeypatch.setattr(native, "absmax_sum_decoded", lambda *a: calls.append(len(a[1])) or kernel(*a))
+    codec = build(name, block_size=block)
+    payloads = []
+    for r in range(count):
+        x = gradient(numel, seed=100 * numel + r)
+        if r % 2:
+            x = -x  # -0.0 in every payload but the first: 0 + -0 + -0 is +0 both ways
+        payload, ctx = codec.compress(x)
+        payloads.append(payload)
+
+    def summed():
+        out = torch.full((numel,), 9.0)  # whatever the output held is not read
+        codec.sum_decoded_(out, payloads, ctx)
+        return out
+
+    fast, slow = both_ways(summed)
+    reference = torch.zeros(numel)
+    with native.disabled():
+        for payload in payloads:
+            reference += codec.decompress(payload, ctx)
+    assert calls == [count]  # the kernel ran (once, the fast way)
+    assert torch.equal(bits(fast), bits(slow)) and torch.equal(bits(fast), bits(reference))
+
+
+def test_a_sum_of_payloads_refuses_one_of_another_tensor_before_any_write():
+    codec = build("int4")
+    (a, ctx), (b, _) = codec.compress(torch.randn(1000)), codec.compress(torch.randn(700))
+    out = torch.full((1000,), 9.0)
+    with pytest.raises(ValueError, match="belongs to another tensor"):
+        codec.sum_decoded_(out, [a, b], ctx)
+    assert torch.equal(out, torch.full((1000,), 9.0))
+
+
+@pytest.mark.parametrize("name,block", [("int8", 256), ("int8", 3), ("int4", 128), ("int4", 2)])
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("alpha", [1.0, 0.25, 1 / 3])
 def test_compress_corrected_is_the_add_the_encode_and_the_residual_bit_for_bit(name, block, numel, alpha):
@@ -300,11 +341,13 @@ def test_large_tensors_cut_over_torchs_threads_give_one_calls_bits():
         payload, ctx = codec.compress(x)
         out = torch.ones_like(x)
         codec.add_decoded_(out, payload, ctx)
+        summed = torch.empty_like(x)
+        codec.sum_decoded_(summed, [payload, codec.compress(-x)[0], payload], ctx)
         residual = torch.empty_like(x)
         corrected, _ = codec.compress_corrected(x, out, 1 / 3, residual)
         half = torch.empty(x.numel(), dtype=torch.float16)
         native.cast_mean(x, 3, half)
-        return [*payload, out, *corrected, residual, half, magnitude_at_least(x, 1.5, expected=100)]
+        return [*payload, out, summed, *corrected, residual, half, magnitude_at_least(x, 1.5, expected=100)]
 
     before = torch.get_num_threads()
     try:

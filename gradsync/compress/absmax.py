@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -117,6 +118,14 @@ class Int8(Compressor):
             return self._decode_native(out, payload, ctx, mode=1)
         out += self.decompress_into(_scratch_like(out), payload, ctx)
 
+    def sum_decoded_(self, out: torch.Tensor, payloads: Sequence[Payload], ctx: Any) -> None:
+        if out.dtype != torch.float32 or not self._native(out, *(t for p in payloads for t in p)):
+            return super().sum_decoded_(out, payloads, ctx)
+        for payload in payloads:
+            self._check_into(out, payload, ctx)
+        packed, scales = [p[0] for p in payloads], [p[1] for p in payloads]
+        native.absmax_sum_decoded(out.view(-1), packed, scales, self.block_size, self.bits)
+
     def sub_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
         if out.dtype != torch.float32:
             return super().sub_decoded_(out, payload, ctx)
@@ -132,13 +141,18 @@ class Int8(Compressor):
         return wire_types and widths and native.usable(*tensors)
 
     def _decode_native(self, out: torch.Tensor, payload: Payload, ctx: Any, mode: int) -> None:
+        self._check_into(out, payload, ctx)
+        native.absmax_decode(out.view(-1), payload[0], payload[1], self.block_size, self.bits, mode)
+
+    def _check_into(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
+        """The payload checked against `ctx`, and `out` against both: the kernels write
+        out.numel() entries."""
         self._check(payload, ctx)
-        if out.numel() != ctx[0].numel():  # the kernel writes out.numel() entries
+        if out.numel() != ctx[0].numel():
             raise ValueError(
                 f"int{self.bits}: decoding a payload of {ctx[0].numel()} entries into a tensor of "
                 f"{out.numel()}; pass a tensor shaped like the one compressed"
             )
-        native.absmax_decode(out.view(-1), payload[0], payload[1], self.block_size, self.bits, mode)
 
     def _codes(self, payload: Payload, ctx: Any) -> tuple[torch.Tensor, int]:
         """The payload's codes, checked against the tensor it claims to be, and their offset."""

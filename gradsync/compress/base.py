@@ -114,6 +114,14 @@ class Compressor:
         """out += decompress(payload, ctx); sparse codecs override it to skip the dense temporary."""
         out += self.decompress(payload, ctx)
 
+    def sum_decoded_(self, out: torch.Tensor, payloads: Sequence[Payload], ctx: Any) -> None:
+        """out = the sum of `payloads` decoded (each compressed from a tensor shaped as `ctx`
+        says), added in their order to a zero: an allgather's total, a two-shot owner's sum of its
+        shard. Quantizers override it to decode and add every payload in one pass over `out`."""
+        out.zero_()
+        for payload in payloads:
+            self.add_decoded_(out, payload, ctx)
+
     def sub_decoded_(self, out: torch.Tensor, payload: Payload, ctx: Any) -> None:
         """out -= decompress(payload, ctx), bit for bit, where `out` has the compressed tensor's
         dtype; sparse codecs override it to touch only the entries they sent. Error feedback

@@ -168,6 +168,27 @@ void gs_absmax_encode_corrected(const float *g, const float *restrict base, floa
     }
 }
 
+/* to[0, count) = the decoded codes of entries [at, at + count) of one block, scale its scale:
+ * (code - offset) * scale, rounded once, as the torch ops do it. */
+static inline __attribute__((always_inline)) void decode_chunk(float *restrict to, const uint8_t *restrict packed,
+                                                               float scale, int64_t at, int64_t count, int32_t bits)
+{
+    if (bits == 8) {
+        const int8_t *restrict in = (const int8_t *)packed + at;
+        for (int64_t i = 0; i < count; ++i)
+            to[i] = (float)in[i] * scale;
+        return;
+    }
+    const uint8_t *restrict in = packed + (at >> 1);
+    const int64_t pairs = count >> 1;
+    for (int64_t j = 0; j < pairs; ++j) {
+        to[2 * j] = ((float)(in[j] & 15) - 7.0f) * scale;
+        to[2 * j + 1] = ((float)(in[j] >> 4) - 7.0f) * scale;
+    }
+    if (count & 1)
+        to[count - 1] = ((float)(in[pairs] & 15) - 7.0f) * scale;
+}
+
 /* out = decoded (mode 0), out += decoded (mode 1) or out -= decoded (mode 2), where decoded =
  * (code - offset) * scale of its block: one rounding for the decode, one for the sum, as the
  * torch ops do them. */
@@ -178,24 +199,9 @@ void gs_absmax_decode(float *restrict out, const uint8_t *restrict packed, const
     float decoded[GS_CHUNK];
     for (int64_t start = 0, b = 0; start < numel; start += block, ++b) {
         const int64_t end = start + block < numel ? start + block : numel;
-        const float scale = scales[b];
         for (int64_t at = start; at < end; at += GS_CHUNK) {
             const int64_t count = end - at < GS_CHUNK ? end - at : GS_CHUNK;
-            float *restrict to = mode == 0 ? out + at : decoded; /* mode 0: decoded in place */
-            if (bits == 8) {
-                const int8_t *restrict in = (const int8_t *)packed + at;
-                for (int64_t i = 0; i < count; ++i)
-                    to[i] = (float)in[i] * scale;
-            } else {
-                const uint8_t *restrict in = packed + (at >> 1);
-                const int64_t pairs = count >> 1;
-                for (int64_t j = 0; j < pairs; ++j) {
-                    to[2 * j] = ((float)(in[j] & 15) - 7.0f) * scale;
-                    to[2 * j + 1] = ((float)(in[j] >> 4) - 7.0f) * scale;
-                }
-                if (count & 1)
-                    to[count - 1] = ((float)(in[pairs] & 15) - 7.0f) * scale;
-            }
+            decode_chunk(mode == 0 ? out + at : decoded, packed, scales[b], at, count, bits);
             float *restrict sum = out + at;
             if (mode == 1)
                 for (int64_t i = 0; i < count; ++i)
@@ -203,6 +209,32 @@ void gs_absmax_decode(float *restrict out, const uint8_t *restrict packed, const
             else if (mode == 2)
                 for (int64_t i = 0; i < count; ++i)
                     sum[i] = sum[i] - decoded[i];
+        }
+    }
+}
+
+/* out = the sum of `payloads` payloads decoded (each as gs_absmax_decode's), added in their
+ * order to a zero: the bits of a zeroed `out` and one mode-1 decode per payload, but `out` is
+ * written once where those read and wrote it once per payload, and zeroed it first (a two-shot
+ * owner's sum of its shard: 38 bytes moved an entry for 4 ranks at int4, 6 here). packed[r] and
+ * scales[r] are payload r's codes and scales, starting at this range's first entry. */
+GS_CLONES
+void gs_absmax_sum_decoded(float *restrict out, const uint8_t *const *packed, const float *const *scales,
+                           int32_t payloads, int64_t numel, int64_t block, int32_t bits)
+{
+    float decoded[GS_CHUNK];
+    for (int64_t start = 0, b = 0; start < numel; start += block, ++b) {
+        const int64_t end = start + block < numel ? start + block : numel;
+        for (int64_t at = start; at < end; at += GS_CHUNK) {
+            const int64_t count = end - at < GS_CHUNK ? end - at : GS_CHUNK;
+            float *restrict sum = out + at;
+            for (int64_t i = 0; i < count; ++i)
+                sum[i] = 0.0f;
+            for (int32_t r = 0; r < payloads; ++r) {
+                decode_chunk(decoded, packed[r], scales[r][b], at, count, bits);
+                for (int64_t i = 0; i < count; ++i)
+                    sum[i] = sum[i] + decoded[i]; /* 0 + -0 is +0, as in a zeroed tensor */
+            }
         }
     }
 }

@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -75,6 +75,7 @@ _SIGNATURES = {
     "gs_absmax_encode": (None, [_ptr, _i64, _i64, _i32, _ptr, _ptr]),
     "gs_absmax_encode_corrected": (None, [_ptr, _ptr, _f32, _i64, _i64, _i32, _ptr, _ptr, _ptr]),
     "gs_absmax_decode": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i32, _i32]),
+    "gs_absmax_sum_decoded": (None, [_ptr, _ptr, _ptr, _i32, _i64, _i64, _i32]),
     "gs_at_least": (_i64, [_ptr, _i64, _f32, _ptr, _i64]),
     "gs_top_magnitudes": (None, [_ptr, _i64, _i64, _ptr]),
     "gs_bitmap_count": (_i64, [_ptr, _i64]),
@@ -168,6 +169,23 @@ def absmax_decode(
             bits,
             mode,
         )
+
+    _in_pieces(out.numel(), block, piece)
+
+
+def absmax_sum_decoded(
+    out: torch.Tensor, packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], block: int, bits: int
+) -> None:
+    """float32 `out` = the sum of the payloads (packed[r], scales[r]) decoded, added in order to a
+    zero (the bits of out.zero_() and one absmax_decode(mode=1) per payload), in one pass."""
+    assert bits in (4, 8) and (bits == 8 or block % 2 == 0), (bits, block)
+    assert len(packed) == len(scales), (len(packed), len(scales))
+
+    def piece(lo: int, hi: int) -> None:
+        codes = (ctypes.c_void_p * len(packed))(*(t.data_ptr() + lo * bits // 8 for t in packed))
+        blocks = (ctypes.c_void_p * len(scales))(*(t.data_ptr() + 4 * (lo // block) for t in scales))
+        start = out.data_ptr() + 4 * lo
+        _call("gs_absmax_sum_decoded", start, codes, blocks, len(packed), hi - lo, block, bits)
 
     _in_pieces(out.numel(), block, piece)
 
