@@ -178,7 +178,9 @@ def measure(
     )
     collectives = ["allreduce", "allgather", "all_to_all", "allreduce:float16", "allreduce:bfloat16"]
     fits = profile.probe_collectives(comm, COLLECTIVE_NBYTES, REPEATS, device, collectives)
-    (copy_bytes_per_s,) = profile.slowest_rank(comm, [-copy_bandwidth(device)], device)  # the slowest's
+    (copy_bytes_per_s,) = profile.slowest_rank(
+        comm, [-profile.copy_bandwidth(device, repeats=REPEATS)], device
+    )  # the slowest's
     host = dataclasses.replace(clusters.CPU_HOST, memory_bytes_per_s=-copy_bytes_per_s)
     where = clusters.measured(
         comm.world_size, fits, compression, hook, name=f"{comm.world_size} measured ranks"
@@ -219,32 +221,6 @@ def budget(
         return measured[spec]
 
     return levels.Errors({spec: tuple(error(param, spec) for param in order) for spec in specs}, own)
-
-
-def copy_bandwidth(device: torch.device, numel: int = 1 << 24) -> float:
-    """Bytes per second one copy moves through memory (read and write), as the hook's copies of
-    a group out of DDP's buckets and back: the median of REPEATS copies of one half of a 64 MB
-    buffer into its other half.
-
-    32 MB read and 32 MB written, about a DDP bucket (25 MB) each way, go past this machine's
-    32 MiB cache as the hook's copies do (a larger cache would flatter the result). The buffer
-    is filled, not drawn, and is its own destination, written once before the timing: with four
-    ranks on two cores, a random draw of 64 MB and a fresh destination per copy (the first touch
-    of every page, which the hook's warm buffers do not pay) took 1.2 s of the measuring step.
-    """
-    x = torch.ones(numel, device=device)
-    half = numel // 2
-    source, destination = x[:half], x[half : 2 * half]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the fill is done before the first timing
-    seconds = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        destination.copy_(source)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - started)
-    return 2 * source.nbytes / statistics.median(seconds)
 
 
 class AutoState(SyncState):

@@ -18,7 +18,7 @@ from gradsync.comm import LocalComm
 from gradsync.compress.base import count_for
 from gradsync.compress.topk import TopK
 from gradsync.cost import LinearFit, fit_linear
-from gradsync.profile import Profile, TensorTiming
+from gradsync.profile import Profile, TensorTiming, host
 
 # Small enough to keep the file fast, a factor of 256 wide so that size dominates the cost.
 SIZES = (1 << 12, 1 << 16, 1 << 20)
@@ -336,9 +336,28 @@ def test_matmul_speed_is_one_threads_and_leaves_the_thread_count_as_it_was():
     assert 0.004 < gflops < 5000
 
 
-def test_a_benchmarks_provenance_names_the_cpu_and_its_speed():
+def test_copy_speed_is_one_threads_and_counts_the_bytes_read_and_written(monkeypatch):
+    threads = torch.get_num_threads()
+    copied = []
+    real = torch.Tensor.copy_
+
+    def copy_(self, source):
+        copied.append((torch.get_num_threads(), source.nbytes))
+        return real(self, source)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    clock = iter(range(100))
+    monkeypatch.setattr(host, "perf_counter", lambda: next(clock) * 0.01)
+    gbytes = profile.one_thread_copy_gbytes_per_s(repeats=3)
+    assert torch.get_num_threads() == threads
+    assert copied == [(1, 32 << 20)] * 3  # half of 64 MB, on one thread, per repeat
+    assert gbytes == pytest.approx(2 * (32 << 20) / 0.01 / 1e9)  # read and written in 10 ms
+
+
+def test_a_benchmarks_provenance_names_the_cpu_and_its_speeds():
     from gradsync.bench import report
 
     made = report.provenance()["machine"]
     assert made["cores"] == os.cpu_count() and made["matmul_gflops_1_thread"] > 0
+    assert made["copy_gbytes_per_s_1_thread"] > 0
     assert "cpu_model" in made

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..profile import machine, matmul_gflops
+from ..profile import machine, matmul_gflops, one_thread_copy_gbytes_per_s
 
 
 def table(document: dict[str, Any]) -> str:
@@ -149,8 +149,12 @@ def provenance() -> dict[str, Any]:
     return {
         "commit": git("rev-parse", "HEAD").strip() or "unknown",
         "dirty": bool(git("status", "--porcelain", "--", *_CODE).strip()),
-        # One core's speed beside the name: two machines of one name stepped the same code 20% apart.
-        "machine": {**machine(), "matmul_gflops_1_thread": round(matmul_gflops(), 1)},
+        # One core's speeds beside the name (gradsync.profile.host says why).
+        "machine": {
+            **machine(),
+            "matmul_gflops_1_thread": round(matmul_gflops(), 1),
+            "copy_gbytes_per_s_1_thread": round(one_thread_copy_gbytes_per_s(), 1),
+        },
         "command": " ".join(["gradsync", *sys.argv[1:]]) if sys.argv else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -66,6 +64,7 @@ from .collectives import (
     slowest_rank,
     zero_fit,
 )
+from .host import copy_bandwidth, machine, matmul_gflops, one_thread_copy_gbytes_per_s
 from .timeline import CUDA_EVENT_RESOLUTION_S, TensorTiming, parameter_names, time_backward
 
 __all__ = [
@@ -81,14 +80,17 @@ __all__ = [
     "TensorTiming",
     "build_codec",
     "compression_errors",
+    "copy_bandwidth",
     "fit_codecs",
     "fit_compression",
     "hook_config",
     "machine",
+    "matmul_gflops",
     "measure_collectives",
     "measure_compression",
     "measure_contention",
     "measure_hook",
+    "one_thread_copy_gbytes_per_s",
     "parameter_names",
     "parse_spec",
     "probe_collectives",
@@ -363,46 +365,3 @@ def _default_name(module: nn.Module, meta: Mapping[str, Any]) -> dict[str, Any]:
     """{"model": the class name} unless the caller named the model or its workload: the simulator
     names a profiled model by meta["model"], else meta["workload"]."""
     return {} if "model" in meta or "workload" in meta else {"model": type(module).__name__}
-
-
-def machine() -> dict[str, Any]:
-    """The machine a measurement ran on: CPU (and its model name), cores, Python and torch
-    versions; the same on every rank of one machine (benchmarks add its measured speed,
-    matmul_gflops)."""
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as info:
-            models = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-            return next(models, None)
-    except OSError:  # not Linux
-        return None
-
-
-def matmul_gflops(n: int = 512, repeats: int = 20) -> float:
-    """fp32 GFLOP/s of one CPU thread multiplying n x n matrices: the best of `repeats`.
-
-    A benchmark of CPU-bound steps (4 ranks sharing 2 cores) moves with it: on two machines of
-    one kind, "x86_64" with 2 cores both, the same code's int4 step on the testbed differed by
-    20% (0.436 and 0.529 s), and nothing in their records said why.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.ones(n, n)
-        best = math.inf
-        for _ in range(repeats):
-            started = time.perf_counter()
-            torch.mm(a, a)
-            best = min(best, time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(threads)
-    return 2 * n**3 / best / 1e9
