@@ -94,8 +94,10 @@ def test_absmax_encode_and_every_decode_give_the_torch_ops_bits(name, block, num
         assert torch.equal(bits(fast_out), bits(slow_out)), method
 
 
-@pytest.mark.parametrize("name,block", [("int8", 256), ("int8", 3), ("int4", 128), ("int4", 2)])
-@pytest.mark.parametrize("numel", [*SIZES, 2 * 1024 + 1])
+@pytest.mark.parametrize(
+    "name,block", [("int8", 256), ("int8", 3), ("int4", 128), ("int4", 2), ("int8", 2048), ("int4", 2048)]
+)
+@pytest.mark.parametrize("numel", [*SIZES, 2 * 1024 + 1])  # blocks of 2048: chunks of 1024 within one
 @pytest.mark.parametrize("count", [1, 2, 4, 5])
 def test_a_sum_of_payloads_has_the_bits_of_a_zero_and_one_add_per_payload(
     name, block, numel, count, monkeypatch
@@ -108,7 +110,7 @@ def test_a_sum_of_payloads_has_the_bits_of_a_zero_and_one_add_per_payload(
     for r in range(count):
         x = gradient(numel, seed=100 * numel + r)
         if r % 2:
-            x = -x  # -0.0 in every payload but the first: 0 + -0 + -0 is +0 both ways
+            x = -x  # sums of both signs, so that a sum taken in another order rounds differently
         payload, ctx = codec.compress(x)
         payloads.append(payload)
 
