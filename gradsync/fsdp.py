@@ -241,8 +241,3 @@ def _meshes(model: nn.Module) -> list[bool]:
     """For each sharded parameter, whether its mesh has two dimensions (native HSDP)."""
     meshes = [getattr(p, "device_mesh", None) for p in model.parameters()]
     return [mesh is not None and mesh.ndim > 1 for mesh in meshes]
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether `model` is an FSDP2 (fully_shard) module."""
-    return FSDPModule is not None and isinstance(model, FSDPModule)
