@@ -1,10 +1,8 @@
 """Comm: the collectives gradsync needs, over a torch.distributed group or a world of one.
 
 Collectives return torch Futures, so DDP can overlap them with the rest of the backward pass.
-Every rank must issue the same collectives in the same order. gradsync issues them through a Lane:
-in the order the hook asked for them, on the hook's thread where nothing waits, or on the lane's
-own thread where an exchange must wait for one collective before it can issue the next (PowerSGD's
-rounds, a size exchange, the sparse schemes), so that the backward pass never waits for it.
+Every rank must issue the same collectives in the same order: gradsync issues them through a
+Lane (gradsync.lane).
 
 A collective that fails (a peer died, or stalled past the process group's timeout) fails its
 future with a CollectiveError naming it: the error is never dropped, and the buffer, which holds
@@ -13,12 +11,8 @@ nothing meaningful then, is never handed on as a result.
 
 from __future__ import annotations
 
-import atexit
 import pickle
 import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -337,127 +331,10 @@ def settle(timeout_s: float = 10.0) -> bool:
         return _Running.changed.wait_for(lambda: _Running.count == 0, timeout=timeout_s)
 
 
-class Lane:
-    """Issues a SyncState's exchanges in the order they were asked for, on every rank alike.
-
-    An exchange is a program: a function that issues its collectives and returns the future of
-    its result. A program that never waits runs at once, on the caller's thread, when nothing is
-    queued; one that waits for a collective before issuing the next (blocking) runs on the lane's
-    own thread, and every program asked for after it queues behind it. So the caller (DDP's
-    backward pass) never waits, and the collectives go out in the same order on every rank.
-
-    drain() returns once every program asked for has issued all its collectives: the hook calls it
-    at a step's last bucket, so nothing of gradsync is still being issued when DDP or the user
-    issue collectives of their own. After a program fails, every later one fails with its error:
-    its peers are gone, and waiting for each collective's timeout in turn would only delay the
-    error.
-    """
-
-    def __init__(self) -> None:
-        self._queue: deque[tuple[Callable[[], Future], Future]] = deque()
-        self._busy = False
-        self._failed: BaseException | None = None
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        _LANES.add(self)
-
-    def run(
-        self, program: Callable[[], Future], blocking: bool, device: torch.device | None = None
-    ) -> Future:
-        """The future of `program`'s result, issued after every program asked for before it."""
-        with self._changed:
-            inline = not blocking and not self._queue and not self._busy
-            if inline:
-                self._busy = True
-            else:
-                out: Future = Future(
-                    devices=[device] if device is not None and device.type == "cuda" else None
-                )
-                self._queue.append((program, out))
-                self._start()
-                self._changed.notify_all()
-        if not inline:
-            return out
-        try:
-            return self._issue(program)
-        finally:
-            with self._changed:
-                self._busy = False
-                self._changed.notify_all()
-
-    def drain(self) -> None:
-        """Wait until every program asked for so far has issued its collectives."""
-        with self._changed:
-            self._changed.wait_for(lambda: not self._queue and not self._busy)
-
-    def _issue(self, program: Callable[[], Future]) -> Future:
-        if self._failed is not None:
-            raise self._failed
-        try:
-            return program()
-        except BaseException as error:
-            self._failed = error
-            raise
-
-    def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._serve, name="gradsync-lane", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """End the lane's thread once what is queued has been issued (at interpreter exit);
-        wait for it at most `timeout_s`."""
-        with self._changed:
-            self._stopping = True
-            self._changed.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout=max(timeout_s, 0.0))
-
-    def _serve(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(
-                    lambda: (self._queue and not self._busy) or (self._stopping and not self._queue),
-                    timeout=60.0,
-                )
-                if not self._queue:  # idle for a minute, or stopped: a later program starts a new one
-                    self._thread = None
-                    return
-                if self._busy:
-                    continue
-                program, out = self._queue.popleft()
-                self._busy = True
-            try:
-                forward(self._issue(program), out)
-            except BaseException as error:
-                out.set_exception(error)
-            finally:
-                with self._changed:
-                    self._busy = False
-                    self._changed.notify_all()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
-
-
-# Every lane, so that their threads end before the interpreter does. A daemon thread still waiting
-# when Python finalizes is killed inside the C runtime, and the process then often aborts
-# ("terminate called without an active exception"): measured, 13 of 30 runs of a 2-rank torchrun
-# script that ended without destroy_process_group, 0 of 30 with the lanes' threads ended first.
-_LANES: weakref.WeakSet[Lane] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_lanes() -> None:
-    deadline = time.monotonic() + 10.0  # one bound for all: a lane stuck in a collective delays exit once
-    for lane in list(_LANES):
-        lane.stop(deadline - time.monotonic())
-    # A collective still waiting on a peer would make a group's destructor wait with it (up to
-    # the group's timeout): those groups are then left to the process's end.
-    if settle(max(deadline - time.monotonic(), 0.0)):
+def let_go_of_groups(timeout_s: float) -> None:
+    """At interpreter exit, once every lane has stopped: release the groups kept in _KEPT if every
+    completion callback has run and been freed within `timeout_s`. A collective still waiting on
+    a peer would make a group's destructor wait with it (up to the group's timeout): those groups
+    are then left to the process's end."""
+    if settle(timeout_s):
         _KEPT.clear()

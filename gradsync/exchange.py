@@ -41,9 +41,10 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from .comm import Comm, Lane, allgather_sent_nbytes, allgather_sizes, allreduce_sent_nbytes, completed, then
+from .comm import Comm, allgather_sent_nbytes, allgather_sizes, allreduce_sent_nbytes, completed, then
 from .compress import Compressor, Payload
 from .feedback import Corrected, Local, RemoveLocal
+from .lane import Lane
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
 from .strategy import shards, sums

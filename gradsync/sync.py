@@ -32,7 +32,6 @@ from . import checkpoint, compress, exchange, feedback
 from .comm import (
     CollectiveError,
     Comm,
-    Lane,
     TorchComm,
     allgather_object,
     allreduce_sent_nbytes,
@@ -44,6 +43,7 @@ from .compress import Compressor, lookup
 from .compress.base import check_int
 from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec
 from .feedback import Feedback
+from .lane import Lane
 from .regroup import Regroup
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows

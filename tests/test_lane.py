@@ -1,4 +1,4 @@
-"""gradsync.comm.Lane: programs issue in the order they were asked for, and the lane's thread
+"""gradsync.lane.Lane: programs issue in the order they were asked for, and the lane's thread
 never outlives the interpreter (a daemon thread killed at finalization often aborts the process)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import time
 import torch
 from torch.futures import Future
 
-from gradsync.comm import Lane, _end_to_end, completed
+from gradsync.comm import _end_to_end, completed
+from gradsync.lane import Lane
 
 
 def _lane_threads() -> list[threading.Thread]:
@@ -70,7 +71,8 @@ def test_no_lane_thread_is_left_when_the_interpreter_exits() -> None:
         import atexit, threading
         atexit.register(lambda: print("left:", sorted(t.name for t in threading.enumerate())))
         import torch
-        from gradsync.comm import Lane, completed
+        from gradsync.comm import completed
+        from gradsync.lane import Lane
         lane = Lane()
         lane.run(lambda: completed(torch.zeros(1)), blocking=True).wait()
         print("alive:", [t.name for t in threading.enumerate()])

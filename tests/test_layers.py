@@ -9,6 +9,8 @@ the library never imports them.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "runtime",
         (
-            *("comm", "sparse.", "strategy", "feedback", "config", "trace", "regroup", "exchange"),
+            *("comm", "lane", "sparse.", "strategy", "feedback", "config", "trace", "regroup", "exchange"),
             *("checkpoint", "sync", "ddp", "fsdp", "diloco"),
         ),
     ),
@@ -136,3 +138,20 @@ def test_the_check_sees_function_level_and_type_checking_imports() -> None:
     )
     assert imports("ddp", source) == {"plan", "tuner", "bench.train"}
     assert imports("sim.engine", "from ..cost import Link\nfrom . import quick\n") == {"cost", "sim.quick"}
+
+
+def test_importing_gradsync_leaves_fsdp_and_the_tools_unimported() -> None:
+    # torch.distributed.fsdp costs every rank ~0.9 s at start (DTensor); only an FSDP2 user, who
+    # imported it already, should pay it. The tools (bench, cli, testbed) are never the library's.
+    script = "import sys, gradsync; print(sorted(m for m in sys.modules if m.startswith(PREFIXES)))"
+    prefixes = (
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor",
+        "gradsync.bench",
+        "gradsync.cli",
+        "gradsync.testbed",
+    )
+    script = script.replace("PREFIXES", repr(prefixes))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -109,6 +109,7 @@ def runs_final(document: dict, strategy: str) -> float:
     return next(r["final_loss"] for r in document["runs"] if r["strategy"] == strategy)
 
 
+@pytest.mark.slow  # a second benchmark run (~9 s): `make test-all`
 def test_until_flat_stops_ddp_when_its_loss_is_flat_and_trains_every_strategy_as_long(tmp_path: Path):
     # A loose flatness (a fall under 90%) stops DDP at its first chance: 5 evaluations, and past
     # the warm-up; DDP trains first though named last, and the document keeps the order given.
@@ -134,6 +135,7 @@ def test_until_flat_stops_ddp_when_its_loss_is_flat_and_trains_every_strategy_as
         assert run["lr_last"] == pytest.approx(0.01 * (1 + math.cos(math.pi * 15 / 60)) / 2)
 
 
+@pytest.mark.slow  # a third benchmark run (~10 s): `make test-all`
 def test_fsdp_runs_are_measured_against_fsdps_own(tmp_path: Path):
     # No DDP run: FSDP2's own reduce-scatter is the reference. gradsync's runs its warm-up
     # uncompressed (FSDP's result exactly), then halves the bytes with bf16.

@@ -29,6 +29,9 @@ from torch import nn
 
 import gradsync
 
+# A convergence run (~20 s of 4 ranks): `make test-all` runs it, `make test` does not.
+pytestmark = pytest.mark.slow
+
 WORLD_SIZE = 4
 STEPS = 400
 LR = 0.25

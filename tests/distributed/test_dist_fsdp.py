@@ -138,6 +138,7 @@ def losses(rank: int, world_size: int, steps: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # a convergence run (~17 s): `make test-all`
 def test_compressed_training_ends_within_half_a_percent_of_fsdps_held_out_loss() -> None:
     out = run_ranks(losses, 2, (200,), timeout_s=180)[0]
     assert out["fsdp"] < 0.5 * held_out_loss_at_start(), out  # it learned: the comparison means something
