@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
@@ -99,6 +100,12 @@ def _register_sharded(
 ) -> SyncState:
     from . import fsdp  # only sharded models pay for torch.distributed.fsdp (_is_sharded)
 
+    if fsdp.FSDPModule is None:  # FSDP2 without a custom reduce-scatter (an older torch)
+        raise RuntimeError(
+            f"gradsync on an FSDP2 model needs FSDPModule.set_custom_reduce_scatter, which torch "
+            f"{torch.__version__} lacks: use a newer torch, or wrap the model in "
+            "DistributedDataParallel instead"
+        )
     if config.plan is not None:
         raise ValueError(
             f"SyncConfig(plan={config.plan!r}) on an FSDP2 model: plans group DDP's buckets, and FSDP "
