@@ -24,6 +24,10 @@ from .sim.compute import Compute
 from .strategy import NONE, Strategy, parse
 
 CANDIDATES = 4  # plans confirmed on real steps
+# A runner-up measured within this fraction of the fastest candidate is tried again against it: two
+# counted steps each cannot tell apart plans closer than a step's noise on a busy host (a 1.3%
+# difference once adopted int8 for a model whose int4 ran 12% faster once warmed up).
+RUNOFF_MARGIN = 0.10
 
 
 # The schedule's best groupings the event simulator checks before one becomes the plan.
@@ -224,6 +228,16 @@ def candidates(
         if plan is not None and plan not in chosen and len(chosen) < CANDIDATES:
             chosen.append(plan)
     return chosen
+
+
+def runoff(measured_s: Sequence[float]) -> tuple[int, int] | None:
+    """The two candidates to try again, the runner-up first and the fastest last, where the
+    runner-up's measured time (each candidate's least) is within RUNOFF_MARGIN of the fastest's;
+    None where one stands clear. Earlier candidates win ties, as in adoption."""
+    ranked = sorted((t, c) for c, t in enumerate(measured_s) if math.isfinite(t))
+    if len(ranked) < 2 or ranked[1][0] > ranked[0][0] * (1 + RUNOFF_MARGIN):
+        return None
+    return ranked[1][1], ranked[0][1]
 
 
 def _as_gradients(buckets: Sequence[Sequence[int]] | None, params: Sequence[int]) -> list[list[int]] | None:

@@ -21,16 +21,22 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
                       (allocations). Where one candidate hands over to the next, what its error
                       memories hold is carried into the next step's gradients: nothing the
                       compression held back is lost.
+  runoff              where the runner-up's time is within autoplan.RUNOFF_MARGIN of the fastest's,
+                      the two run STEPS_EACH steps each again, the runner-up first (later steps
+                      are nearer the run's steady pace, and two counted steps are few on a busy
+                      host).
   adoption            at the start of the step after the last probe: the candidate of least
-                      time (the slowest rank's least) becomes the plan, as a plan given in a file.
+                      time (the slowest rank's least of all its counted steps) becomes the plan,
+                      as a plan given in a file; where it is the one running, its codecs and
+                      memories go on.
 
 The candidates, their measured times and the adopted plan are agreed by every rank and recorded in
 stats()["auto"] and in the checkpoint: a run resumed in any phase goes on from there (one resumed
 before the candidates were made measures afresh), and a run given the adopted plan as a file runs
 it from its first compressed step. Timings decide, so two fresh runs may adopt different plans.
 
-(Just over 400 lines: the step timer, what rank 0 measures and the state that runs the phases
-above serve this one feature.)
+(Over 400 lines: the step timer, what rank 0 measures and the state that runs the phases above
+serve this one feature, and splitting them would spread its timeline over several modules.)
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
@@ -49,7 +55,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from . import levels, profile
-from .autoplan import CANDIDATES, Measured, candidates, codec_specs
+from .autoplan import CANDIDATES, Measured, candidates, codec_specs, runoff
 from .comm import Comm, allgather_object
 from .compress import PAST_WARMUP
 from .config import SyncConfig
@@ -72,9 +78,9 @@ REPEATS = 3
 
 
 def warmup_steps(config: SyncConfig) -> int:
-    """Steps before the adopted plan runs, in a fresh run: measuring, then probing from the later of
-    the step after it and config.warmup_steps."""
-    return max(MEASURED + 1, config.warmup_steps) + CANDIDATES * STEPS_EACH
+    """Steps before the adopted plan runs in a fresh run, at most: measuring, then probing (a
+    runoff included) from the later of the step after it and config.warmup_steps."""
+    return max(MEASURED + 1, config.warmup_steps) + (CANDIDATES + 2) * STEPS_EACH
 
 
 class StepTimer:
@@ -236,6 +242,7 @@ class AutoState(SyncState):
         self.measure_from = 0  # the first step of the timeline measurement
         self.candidates: list[Plan] = []
         self.probe_from: int | None = None  # the first probe step, once the candidates are made
+        self.order: list[int] = []  # the candidate tried in each probe slot of STEPS_EACH steps
         self.probe_s: dict[int, list[float]] = {}  # candidate -> its counted steps' seconds
         self.adopted_at: int | None = None  # the step the adopted plan first ran
         self._started = -1  # the newest step whose start was handled
@@ -265,17 +272,19 @@ class AutoState(SyncState):
             return
         probed = step - 1 - self.probe_from  # the probe step that just ended
         counted = probed % STEPS_EACH and step - 1 in self._forward  # not a candidate's first step
-        if 0 <= probed < len(self.candidates) * STEPS_EACH and counted:
+        if 0 <= probed < len(self.order) * STEPS_EACH and counted:
             seconds = (
                 self.timer.forward_start[self._forward[step]]
                 - self.timer.forward_start[self._forward[step - 1]]
             )
-            self.probe_s.setdefault(probed // STEPS_EACH, []).append(seconds)
-        probing = step - self.probe_from
-        if probing >= len(self.candidates) * STEPS_EACH:
+            self.probe_s.setdefault(self.order[probed // STEPS_EACH], []).append(seconds)
+        slot, into = divmod(step - self.probe_from, STEPS_EACH)
+        if slot == len(self.order) == len(self.candidates) and into == 0:
+            self.order.extend(runoff(self._measured_s()) or ())
+        if slot >= len(self.order):
             self._adopt(step)
-        elif probing % STEPS_EACH == 0:
-            self.use_plan(self.candidates[probing // STEPS_EACH], carry=True)
+        elif into == 0 and (slot == 0 or self.order[slot] != self.order[slot - 1]):
+            self.use_plan(self.candidates[self.order[slot]], carry=True)
 
     def stats(self) -> dict[str, Any]:
         """As SyncState.stats(), and under "auto" what plan="auto" measured and chose."""
@@ -284,6 +293,7 @@ class AutoState(SyncState):
             "auto": {
                 "measured_from_step": self.measure_from,
                 "probed_from_step": self.probe_from,
+                "order": list(self.order),
                 "adopted_at_step": self.adopted_at,
                 "candidates": [
                     {
@@ -305,6 +315,7 @@ class AutoState(SyncState):
             "measure_from": self.measure_from,
             "candidates": [p.to_dict() for p in self.candidates],
             "probe_from": self.probe_from,
+            "order": list(self.order),
             "probe_s": {c: list(times) for c, times in self.probe_s.items()},
             "adopted_at": self.adopted_at,
             "plan": plan,
@@ -322,6 +333,8 @@ class AutoState(SyncState):
         auto = state["auto"]
         self.candidates = [Plan.from_dict(p) for p in auto["candidates"]]
         self.probe_from = auto["probe_from"]
+        # A checkpoint of a version without runoffs tried the candidates in their order.
+        self.order = list(auto.get("order", range(len(self.candidates))))
         self.probe_s = {int(c): list(times) for c, times in auto["probe_s"].items()}
         self.adopted_at = auto["adopted_at"]
         if self.probe_from is None:  # saved before the candidates were made: measure afresh
@@ -367,23 +380,35 @@ class AutoState(SyncState):
         lists = allgather_object(comm, [p.to_dict() for p in mine], self.timer.device)
         self.candidates = [Plan.from_dict(p) for p in lists[0]]
         self.probe_from = max(self._started, self.config.warmup_steps)
+        self.order = list(range(len(self.candidates)))
         self.timer.stop_gradients()
         log.info(
             "gradsync plan='auto': %d candidates, tried from step %d", len(self.candidates), self.probe_from
         )
 
+    def _measured_s(self) -> list[float]:
+        """Each candidate's measured time: the slowest rank's least of its counted steps (load
+        from elsewhere only ever adds time). Every rank must call it at the same step."""
+        counted = [min(self.probe_s.get(c) or [math.inf]) for c in range(len(self.candidates))]
+        return profile.slowest_rank(self._comm(), counted, self.timer.device)
+
     def _adopt(self, step: int) -> None:
-        """Take the candidate of least measured time (the slowest rank's least of its counted
-        steps: load from elsewhere only ever adds time); earlier candidates win ties."""
-        counted = [min(self.probe_s.get(c) or [float("inf")]) for c in range(len(self.candidates))]
-        slowest = profile.slowest_rank(self._comm(), counted, self.timer.device)
+        """Take the candidate of least measured time; earlier candidates win ties."""
+        slowest = self._measured_s()
         best = min(range(len(slowest)), key=lambda c: (slowest[c], c))
         measured = {
             f"{p.meta.get('chosen')} (measured)": t for p, t in zip(self.candidates, slowest, strict=True)
         }
         chosen = self.candidates[best].with_measured(slowest[best], **measured)
-        self.use_plan(chosen, carry=True)
+        running = self.order[-1] == best
         self.adopted_at = step
+        if running:  # the same groups and strategies: what they hold goes on, nothing is carried
+            self.plan = chosen
+            for point in self.points.values():
+                if type(point.codec).warms_up:  # the warm-up taken up where training stands
+                    point.codec.steps = self._compressed_before(step)
+        else:
+            self.use_plan(chosen, carry=True)
         self.timer.close()
         log.info("gradsync plan='auto' adopted at step %d:\n%s", step, chosen.describe())
 

@@ -4,6 +4,7 @@ test_dist_auto.py.)"""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -117,7 +118,18 @@ def test_codec_specs_name_codecs_as_strategies_do_and_warmup_covers_the_probes()
     assert ratios == sorted(ratios, reverse=True) and len(ratios) > 1
     assert all(dict(parse(spec).args)["mode"] == "sampled" for spec in specs[2:])
     assert autoplan.codec_specs(SyncConfig(compressor="none", plan="auto")) == ["fp16", "bf16"]
-    probing = autoplan.CANDIDATES * tuner.STEPS_EACH
+    probing = (autoplan.CANDIDATES + 2) * tuner.STEPS_EACH  # a runoff of two included
     # Probing starts after the measured steps, or after the config's warm-up if that is longer.
     assert tuner.warmup_steps(config) == max(config.warmup_steps, tuner.MEASURED + 1) + probing
     assert tuner.warmup_steps(SyncConfig(warmup_steps=2, plan="auto")) == tuner.MEASURED + 1 + probing
+
+
+def test_a_runoff_retries_the_two_fastest_only_when_they_are_within_the_margin() -> None:
+    margin = autoplan.RUNOFF_MARGIN
+    # The runner-up first, the fastest last (it then runs on into adoption where it still wins).
+    assert autoplan.runoff([1.0, 0.9, 2.0, 0.9 * (1 + margin)]) == (3, 1)
+    assert autoplan.runoff([1.0, 0.9, 2.0, 0.9 * (1 + margin) * 1.001]) is None
+    # Ties: the earlier candidate counts as the faster, as in adoption.
+    assert autoplan.runoff([0.5, 0.5]) == (1, 0)
+    # A candidate never measured (inf) is no runner-up; one candidate needs no runoff.
+    assert autoplan.runoff([0.5, math.inf]) is None and autoplan.runoff([0.5]) is None

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gradsync import cli
+from gradsync import cli, tuner
+from gradsync.config import SyncConfig
 from gradsync.plan import Plan
 from gradsync.sim import cluster, compute, engine, groups, models
 
@@ -62,7 +63,8 @@ def test_a_measured_plan_reports_its_predicted_and_measured_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "plan.json"
-    argv = ["plan", "--workload", "mlp-wide", "--world", "2", "--steps", "26", "--out", str(out)]
+    steps = tuner.warmup_steps(SyncConfig(plan="auto")) + 3  # planning, then the least a run takes
+    argv = ["plan", "--workload", "mlp-wide", "--world", "2", "--steps", str(steps), "--out", str(out)]
     assert cli.main(argv) == 0
     plan = Plan.load(out)
     assert plan.world_size == 2 and plan.predicted_step_s and plan.measured_step_s

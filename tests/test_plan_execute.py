@@ -17,12 +17,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
-from gradsync import SyncConfig, SyncState, checkpoint, compress, exchange, tuner
+from gradsync import SyncConfig, SyncState, autoplan, checkpoint, compress, exchange, tuner
 from gradsync.api import read_plan
 from gradsync.comm import LocalComm
 from gradsync.exchange import Route
 from gradsync.plan import GroupPlan, Plan, signature
 from gradsync.regroup import Regroup
+from gradsync.sync import CompressionPoint
 from gradsync.tuner import AutoState
 from gradsync.wire import index_nbytes
 
@@ -168,6 +169,44 @@ def test_plan_auto_plans_every_trainable_parameter_even_one_never_used(one_rank:
     assert covered == list(range(len(list(model.parameters()))))
     state.plan.check(model, 1)  # the plan it made fits the model
     assert all(g is not None for g in state.stats()["groups"])  # and every group ran
+
+
+@pytest.mark.parametrize("turns", [False, True], ids=["runoff-confirms", "runoff-turns"])
+def test_plan_auto_runs_off_close_candidates_and_keeps_the_winner_running(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch, turns: bool
+) -> None:
+    # Measured times set by hand (real ones are noise at this size): after the first round
+    # candidate 1 leads candidate 2 by under the margin; the runoff then confirms it, or turns.
+    first = [2.0, 1.0, 1.0 + autoplan.RUNOFF_MARGIN / 2, 2.0]
+    final = [2.0, 1.1, 1.0, 2.0] if turns else first
+    times = iter([first, final])
+    monkeypatch.setattr(AutoState, "_measured_s", lambda self: next(times)[: len(self.candidates)])
+    model = DistributedDataParallel(Net())
+    state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = nn.CrossEntropyLoss()
+    points_before: dict[int, Any] = {}
+    for step in range(tuner.warmup_steps(state.config) + 2):
+        if isinstance(state, AutoState) and not state.done:
+            points_before = dict(state.points)  # what runs in the step before adoption
+        words, labels = batch(step)
+        optimizer.zero_grad()
+        loss_fn(model(words), labels).backward()
+        optimizer.step()
+    assert isinstance(state, AutoState) and state.done and state.probe_from is not None
+    n = len(state.candidates)
+    assert n >= 3, "the times above need three candidates"
+    # The first round in the candidates' order, then the runner-up and the leader again.
+    assert state.order == [*range(n), 2, 1]
+    assert state.adopted_at == state.probe_from + len(state.order) * tuner.STEPS_EACH
+    assert all(len(state.probe_s[c]) == (tuner.STEPS_EACH - 1) * state.order.count(c) for c in range(n))
+    best = 2 if turns else 1
+    assert state.plan is not None and state.plan.meta["chosen"] == state.candidates[best].meta["chosen"]
+    # Candidate 1 (it compresses: it has points) ran last: adopted, it goes on with the same codecs
+    # and memories; where candidate 2 won, it starts afresh with what 1's memories held carried.
+    assert points_before and all(isinstance(p, CompressionPoint) for p in points_before.values())
+    kept = [g for g, p in state.points.items() if points_before.get(g) is p]
+    assert kept == ([] if turns else list(points_before))
 
 
 def test_plan_auto_refuses_sparse_gradients_before_training(one_rank: None) -> None:

@@ -45,9 +45,13 @@ FIRST_STEPS = 60  # plan="auto" is judged on its median over the first 60 steps,
 # Steps plan="auto" spends measuring and trying candidates with the config the script writes.
 AUTO_PLANNING_STEPS = tuner.warmup_steps(SyncConfig(plan="auto"))
 # Ways whose first compressed steps differ by design, and by how many steps: top-k's sparsity
-# warm-up sends more over them. Such a way runs that many steps more, and its steady steps are
-# counted from after the warm-up (its first FIRST_STEPS steps still include it).
-LONGER_WARMUP = {"gradsync-topk": SPARSITY_WARMUP_STEPS}
+# warm-up sends more over them; plan="auto" measures and tries candidates after the fp32 warm-up.
+# Such a way runs that many steps more, and its steady steps are counted from after the warm-up
+# (its first FIRST_STEPS steps still include it).
+LONGER_WARMUP = {
+    "gradsync-topk": SPARSITY_WARMUP_STEPS,
+    "gradsync-auto": AUTO_PLANNING_STEPS - SyncConfig().warmup_steps,
+}
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ from gradsync.plan import Plan
 WORLD = 2
 CODEC = {"compressor": "topk", "compressor_args": {"ratio": 0.1}}
 PROBE_FROM = max(tuner.MEASURED + 1, config().warmup_steps)
-SAVE_AT = {"measuring": 3, "probing": PROBE_FROM + tuner.STEPS_EACH + 1, "adopted": 22}
-STEPS = 26
+ADOPTED_BY = tuner.warmup_steps(config(plan="auto", **CODEC))  # a runoff included
+SAVE_AT = {"measuring": 3, "probing": PROBE_FROM + tuner.STEPS_EACH + 1, "adopted": ADOPTED_BY + 1}
+STEPS = ADOPTED_BY + 4
 
 
 def _steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
@@ -92,9 +93,16 @@ def test_auto_measures_probes_and_executes_the_fastest_measured_candidate(auto_r
     assert 1 <= len(candidates) <= autoplan.CANDIDATES
     assert auto["measured_from_step"] == 0
     assert auto["probed_from_step"] == PROBE_FROM
-    assert auto["adopted_at_step"] == PROBE_FROM + len(candidates) * tuner.STEPS_EACH
-    # Each candidate ran STEPS_EACH steps for real; its first is not counted.
-    assert all(len(c["measured_s"]) == tuner.STEPS_EACH - 1 for c in candidates)
+    # Each candidate ran STEPS_EACH steps for real, its first not counted; then the two fastest
+    # again where their times (the slowest rank's least) are close.
+    first_round = [
+        max(min(r["stats"]["auto"]["candidates"][c]["measured_s"][: tuner.STEPS_EACH - 1]) for r in auto_runs)
+        for c in range(len(candidates))
+    ]
+    assert auto["order"] == [*range(len(candidates)), *(autoplan.runoff(first_round) or ())]
+    assert auto["adopted_at_step"] == PROBE_FROM + len(auto["order"]) * tuner.STEPS_EACH
+    for c, candidate in enumerate(candidates):
+        assert len(candidate["measured_s"]) == (tuner.STEPS_EACH - 1) * auto["order"].count(c)
     adopted = Plan.from_dict(first["plan"])
     labels = [c["label"] for c in candidates]
     assert adopted.meta["chosen"] in labels and auto["chosen"] == adopted.meta["chosen"]
@@ -128,11 +136,15 @@ def test_a_checkpoint_resumes_plan_auto_in_the_phase_it_was_taken(auto_runs: lis
     measuring = restored[SAVE_AT["measuring"]]["auto"]
     assert measuring["measured_from_step"] == SAVE_AT["measuring"]
     assert measuring["adopted_at_step"] is not None and restored[SAVE_AT["measuring"]]["plan"] is not None
-    # Taken while probing: the same candidates, the counted times kept, the same adoption step.
+    # Taken while probing: the same candidates in the same order, the counted times kept, adopted
+    # once the rest are tried (a runoff is decided on the resumed run's own times).
     probing = restored[SAVE_AT["probing"]]["auto"]
+    n = len(auto["candidates"])
     assert [c["label"] for c in probing["candidates"]] == [c["label"] for c in auto["candidates"]]
-    assert probing["candidates"][0]["measured_s"] == auto["candidates"][0]["measured_s"]
-    assert probing["adopted_at_step"] == auto["adopted_at_step"]
+    first = tuner.STEPS_EACH - 1
+    assert probing["candidates"][0]["measured_s"][:first] == auto["candidates"][0]["measured_s"][:first]
+    assert probing["order"][:n] == list(range(n))
+    assert probing["adopted_at_step"] == PROBE_FROM + len(probing["order"]) * tuner.STEPS_EACH
     # Taken after adoption: the same plan, and the exact same trajectory.
     adopted = restored[SAVE_AT["adopted"]]
     assert adopted["plan"] == saved_run["plan"]
