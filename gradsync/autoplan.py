@@ -231,13 +231,15 @@ def candidates(
 
 
 def runoff(measured_s: Sequence[float]) -> tuple[int, int] | None:
-    """The two candidates to try again, the runner-up first and the fastest last, where the
-    runner-up's measured time (each candidate's least) is within RUNOFF_MARGIN of the fastest's;
-    None where one stands clear. Earlier candidates win ties, as in adoption."""
+    """The two candidates to try again where the runner-up's measured time (each candidate's
+    least) is within RUNOFF_MARGIN of the fastest's; None where one stands clear. They run in the
+    reverse of their first order, so each has an earlier and a later turn: a run's first steps
+    are its slowest, and the later turn would favour whoever has it twice."""
     ranked = sorted((t, c) for c, t in enumerate(measured_s) if math.isfinite(t))
     if len(ranked) < 2 or ranked[1][0] > ranked[0][0] * (1 + RUNOFF_MARGIN):
         return None
-    return ranked[1][1], ranked[0][1]
+    pair = ranked[0][1], ranked[1][1]
+    return max(pair), min(pair)
 
 
 def _as_gradients(buckets: Sequence[Sequence[int]] | None, params: Sequence[int]) -> list[list[int]] | None:

@@ -22,9 +22,8 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
                       memories hold is carried into the next step's gradients: nothing the
                       compression held back is lost.
   runoff              where the runner-up's time is within autoplan.RUNOFF_MARGIN of the fastest's,
-                      the two run STEPS_EACH steps each again, the runner-up first (later steps
-                      are nearer the run's steady pace, and two counted steps are few on a busy
-                      host).
+                      the two run STEPS_EACH steps each again, in reverse order (two counted
+                      steps are few on a busy host, and a run's first steps are its slowest).
   adoption            at the start of the step after the last probe: the candidate of least
                       time (the slowest rank's least of all its counted steps) becomes the plan,
                       as a plan given in a file; where it is the one running, its codecs and
@@ -279,10 +278,12 @@ class AutoState(SyncState):
             )
             self.probe_s.setdefault(self.order[probed // STEPS_EACH], []).append(seconds)
         slot, into = divmod(step - self.probe_from, STEPS_EACH)
+        measured = None  # the candidates' times, where taken at the first round's end
         if slot == len(self.order) == len(self.candidates) and into == 0:
-            self.order.extend(runoff(self._measured_s()) or ())
+            measured = self._measured_s()
+            self.order.extend(runoff(measured) or ())
         if slot >= len(self.order):
-            self._adopt(step)
+            self._adopt(step, measured or self._measured_s())
         elif into == 0 and (slot == 0 or self.order[slot] != self.order[slot - 1]):
             self.use_plan(self.candidates[self.order[slot]], carry=True)
 
@@ -392,15 +393,15 @@ class AutoState(SyncState):
         counted = [min(self.probe_s.get(c) or [math.inf]) for c in range(len(self.candidates))]
         return profile.slowest_rank(self._comm(), counted, self.timer.device)
 
-    def _adopt(self, step: int) -> None:
-        """Take the candidate of least measured time; earlier candidates win ties."""
-        slowest = self._measured_s()
+    def _adopt(self, step: int, slowest: Sequence[float]) -> None:
+        """Take the candidate of least measured time (`slowest`: _measured_s()); earlier candidates
+        win ties."""
         best = min(range(len(slowest)), key=lambda c: (slowest[c], c))
         measured = {
             f"{p.meta.get('chosen')} (measured)": t for p, t in zip(self.candidates, slowest, strict=True)
         }
         chosen = self.candidates[best].with_measured(slowest[best], **measured)
-        running = self.order[-1] == best
+        running = self.plan is not None and self.plan.groups == chosen.groups
         self.adopted_at = step
         if running:  # the same groups and strategies: what they hold goes on, nothing is carried
             self.plan = chosen

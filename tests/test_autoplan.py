@@ -126,10 +126,10 @@ def test_codec_specs_name_codecs_as_strategies_do_and_warmup_covers_the_probes()
 
 def test_a_runoff_retries_the_two_fastest_only_when_they_are_within_the_margin() -> None:
     margin = autoplan.RUNOFF_MARGIN
-    # The runner-up first, the fastest last (it then runs on into adoption where it still wins).
+    # The two in the reverse of their first order, whichever leads: each has an early turn.
     assert autoplan.runoff([1.0, 0.9, 2.0, 0.9 * (1 + margin)]) == (3, 1)
+    assert autoplan.runoff([0.9 * (1 + margin), 2.0, 0.9]) == (2, 0)
     assert autoplan.runoff([1.0, 0.9, 2.0, 0.9 * (1 + margin) * 1.001]) is None
-    # Ties: the earlier candidate counts as the faster, as in adoption.
     assert autoplan.runoff([0.5, 0.5]) == (1, 0)
     # A candidate never measured (inf) is no runner-up; one candidate needs no runoff.
     assert autoplan.runoff([0.5, math.inf]) is None and autoplan.runoff([0.5]) is None

@@ -23,7 +23,6 @@ from gradsync.comm import LocalComm
 from gradsync.exchange import Route
 from gradsync.plan import GroupPlan, Plan, signature
 from gradsync.regroup import Regroup
-from gradsync.sync import CompressionPoint
 from gradsync.tuner import AutoState
 from gradsync.wire import index_nbytes
 
@@ -171,42 +170,91 @@ def test_plan_auto_plans_every_trainable_parameter_even_one_never_used(one_rank:
     assert all(g is not None for g in state.stats()["groups"])  # and every group ran
 
 
-@pytest.mark.parametrize("turns", [False, True], ids=["runoff-confirms", "runoff-turns"])
-def test_plan_auto_runs_off_close_candidates_and_keeps_the_winner_running(
-    one_rank: None, monkeypatch: pytest.MonkeyPatch, turns: bool
-) -> None:
-    # Measured times set by hand (real ones are noise at this size): after the first round
-    # candidate 1 leads candidate 2 by under the margin; the runoff then confirms it, or turns.
-    first = [2.0, 1.0, 1.0 + autoplan.RUNOFF_MARGIN / 2, 2.0]
-    final = [2.0, 1.1, 1.0, 2.0] if turns else first
-    times = iter([first, final])
-    monkeypatch.setattr(AutoState, "_measured_s", lambda self: next(times)[: len(self.candidates)])
-    model = DistributedDataParallel(Net())
-    state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
+def _train_auto(model: nn.Module, steps: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()
-    points_before: dict[int, Any] = {}
-    for step in range(tuner.warmup_steps(state.config) + 2):
-        if isinstance(state, AutoState) and not state.done:
-            points_before = dict(state.points)  # what runs in the step before adoption
+    for step in range(steps):
         words, labels = batch(step)
         optimizer.zero_grad()
         loss_fn(model(words), labels).backward()
         optimizer.step()
-    assert isinstance(state, AutoState) and state.done and state.probe_from is not None
+
+
+@pytest.mark.parametrize("turns", [False, True], ids=["runoff-confirms", "runoff-turns"])
+def test_plan_auto_runs_off_close_candidates_and_keeps_the_winner_running(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch, turns: bool
+) -> None:
+    # Measured times set by hand (real ones are noise at this size): after the first round the
+    # top-k candidate leads another by under the margin; the runoff confirms it, or turns.
+    # The leader, a top-k plan, comes before the runner-up in the first round, so it runs last in
+    # the runoff: it goes on where it wins, and hands over where it loses.
+    def lead_and_other(state: AutoState) -> tuple[int, int]:
+        topk = [c for c, p in enumerate(state.candidates) if any(s.codec == "topk" for s in p.strategies)]
+        lead = next(c for c in topk if c + 1 < len(state.candidates))
+        return lead, lead + 1
+
+    calls = []
+
+    def measured_s(state: AutoState) -> list[float]:
+        lead, other = lead_and_other(state)
+        times = [2.0] * len(state.candidates)
+        times[lead], times[other] = (1.1, 1.0) if calls and turns else (1.0, 1.0 + autoplan.RUNOFF_MARGIN / 2)
+        calls.append(times)
+        return times
+
+    monkeypatch.setattr(AutoState, "_measured_s", measured_s)
+    model = DistributedDataParallel(Net())
+    state = gradsync.register(model, config(plan="auto", compressor="topk", compressor_args={"ratio": 0.1}))
+    assert isinstance(state, AutoState)
+    _train_auto(model, tuner.warmup_steps(state.config) - 1)
+    assert not state.done and state.probe_from is not None
+    points_before = dict(state.points)  # what runs in the runoff's last steps
+    _train_auto(model, 3)
+    assert state.done
     n = len(state.candidates)
-    assert n >= 3, "the times above need three candidates"
-    # The first round in the candidates' order, then the runner-up and the leader again.
-    assert state.order == [*range(n), 2, 1]
+    lead, other = lead_and_other(state)
+    # The first round in the candidates' order, then the two again in reverse order.
+    assert state.order == [*range(n), other, lead]
     assert state.adopted_at == state.probe_from + len(state.order) * tuner.STEPS_EACH
     assert all(len(state.probe_s[c]) == (tuner.STEPS_EACH - 1) * state.order.count(c) for c in range(n))
-    best = 2 if turns else 1
+    best = other if turns else lead
     assert state.plan is not None and state.plan.meta["chosen"] == state.candidates[best].meta["chosen"]
-    # Candidate 1 (it compresses: it has points) ran last: adopted, it goes on with the same codecs
-    # and memories; where candidate 2 won, it starts afresh with what 1's memories held carried.
-    assert points_before and all(isinstance(p, CompressionPoint) for p in points_before.values())
     kept = [g for g, p in state.points.items() if points_before.get(g) is p]
-    assert kept == ([] if turns else list(points_before))
+    if not turns:
+        # Adopted while running: the same codecs and memories go on, top-k's warm-up taken up
+        # where training stands, as a codec made at adoption would.
+        assert points_before and kept == list(points_before)
+        for point in state.points.values():
+            if type(point.codec).warms_up:
+                assert point.codec.steps == state.step - state.config.warmup_steps
+    else:
+        assert kept == []  # made afresh, with what the last candidate's memories held carried
+
+
+def test_plan_auto_resumes_a_checkpoint_saved_before_runoffs_existed(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = DistributedDataParallel(Net())
+    state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
+    assert isinstance(state, AutoState)
+    probe_from = max(tuner.MEASURED + 1, state.config.warmup_steps)
+    _train_auto(model, probe_from + tuner.STEPS_EACH + 1)
+    own = AutoState._own_state
+
+    def without_order(self: AutoState) -> dict[str, Any]:
+        saved = own(self)
+        del saved["auto"]["order"]  # what a version without runoffs saved
+        return saved
+
+    monkeypatch.setattr(AutoState, "_own_state", without_order)
+    saved = state.state_dict()
+    resumed = gradsync.register(DistributedDataParallel(Net()), config(plan="auto", compressor="qsgd"))
+    assert isinstance(resumed, AutoState)
+    resumed.load_state_dict(saved)
+    # It had tried the candidates in their order.
+    assert len(resumed.candidates) == len(state.candidates) and resumed.order == list(
+        range(len(state.candidates))
+    )
 
 
 def test_plan_auto_refuses_sparse_gradients_before_training(one_rank: None) -> None:

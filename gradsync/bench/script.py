@@ -139,7 +139,8 @@ def summarize(
         steady = [s for steps in rounds for s in steps[start:]]
         cpu_steady = [s for steps in (cpu or {}).get(sync, []) for s in steps[start:]]
         first = [s for steps in rounds for s in steps[:FIRST_STEPS]]
-        planning = [s for steps in rounds for s in steps[1:AUTO_PLANNING_STEPS]]  # step 0: start-up
+        # Step 0 is start-up; AUTO_PLANNING_STEPS bounds planning (without a runoff it ends sooner).
+        planning = [s for steps in rounds for s in steps[1:AUTO_PLANNING_STEPS]]
         runs.append(
             {
                 "sync": sync,

@@ -58,7 +58,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     measured.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     planning = tuner.warmup_steps(SyncConfig(plan="auto"))
     measured.add_argument(
-        "--steps", type=int, default=planning + 8, help=f"steps to train: planning takes the first {planning}"
+        "--steps",
+        type=int,
+        default=planning + 8,
+        help=f"steps to train: planning takes at most the first {planning}",
     )
     measured.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     add_network_options(measured, measured)

@@ -3,13 +3,19 @@
 - It measures, plans, tries each candidate for real and adopts the fastest measured: the same
   plan on every rank, executed group by group, with every documented error-feedback form.
 - A checkpoint taken in any phase resumes there: one taken while measuring measures afresh and
-  plans; one taken while probing goes on probing the same candidates; one taken after adoption
-  continues the exact same trajectory, bit for bit.
+  plans; one taken while probing, at the first round's end or in the runoff goes on probing the
+  same candidates in the same order; one taken after adoption continues the exact same trajectory,
+  bit for bit.
+
+Every runner-up is made close (RUNOFF_MARGIN infinite on the ranks), so that every run has a runoff
+and the phases fall on known steps; whether real times call one is tested in tests/test_autoplan.py
+and tests/test_plan_execute.py.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import pytest
@@ -24,9 +30,16 @@ from gradsync.plan import Plan
 WORLD = 2
 CODEC = {"compressor": "topk", "compressor_args": {"ratio": 0.1}}
 PROBE_FROM = max(tuner.MEASURED + 1, config().warmup_steps)
-ADOPTED_BY = tuner.warmup_steps(config(plan="auto", **CODEC))  # a runoff included
-SAVE_AT = {"measuring": 3, "probing": PROBE_FROM + tuner.STEPS_EACH + 1, "adopted": ADOPTED_BY + 1}
-STEPS = ADOPTED_BY + 4
+ROUND = autoplan.CANDIDATES * tuner.STEPS_EACH  # the first round's steps (the model has 4 candidates)
+ADOPTED_AT = PROBE_FROM + ROUND + 2 * tuner.STEPS_EACH  # a runoff, always (module docstring)
+SAVE_AT = {
+    "measuring": 3,
+    "probing": PROBE_FROM + tuner.STEPS_EACH + 1,
+    "round's end": PROBE_FROM + ROUND,
+    "runoff": PROBE_FROM + ROUND + tuner.STEPS_EACH + 1,
+    "adopted": ADOPTED_AT + 1,
+}
+STEPS = ADOPTED_AT + 4
 
 
 def _steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
@@ -46,6 +59,7 @@ def _checkpoint(state: gradsync.SyncState, model: nn.Module, opt: torch.optim.Op
 
 def _auto_run(rank: int, world_size: int, feedback: str) -> dict[str, Any]:
     """Train STEPS steps with plan="auto", checkpointing at each SAVE_AT step."""
+    autoplan.RUNOFF_MARGIN = math.inf
     model = ddp(make_mlp(0))
     state = gradsync.register(model, config(plan="auto", error_feedback=feedback, **CODEC))
     opt = sgd(model)
@@ -60,6 +74,7 @@ def _auto_run(rank: int, world_size: int, feedback: str) -> dict[str, Any]:
 
 def _restored_runs(rank: int, world_size: int, saved: list[dict[int, bytes]]) -> dict[int, dict[str, Any]]:
     """From each of this rank's checkpoints, a fresh model and state trained on to STEPS."""
+    autoplan.RUNOFF_MARGIN = math.inf
     out = {}
     for step, data in saved[rank].items():
         checkpoint = torch.load(io.BytesIO(data), weights_only=False)
@@ -90,17 +105,18 @@ def test_auto_measures_probes_and_executes_the_fastest_measured_candidate(auto_r
     assert all(torch.equal(r["params"], first["params"]) for r in auto_runs)
     auto = first["stats"]["auto"]
     candidates = auto["candidates"]
-    assert 1 <= len(candidates) <= autoplan.CANDIDATES
+    assert len(candidates) == autoplan.CANDIDATES, "SAVE_AT's steps are for a first round of 4"
     assert auto["measured_from_step"] == 0
     assert auto["probed_from_step"] == PROBE_FROM
-    # Each candidate ran STEPS_EACH steps for real, its first not counted; then the two fastest
-    # again where their times (the slowest rank's least) are close.
+    # Each candidate ran STEPS_EACH steps for real, its first not counted; then the two fastest by
+    # the slowest rank's least again, in reverse order.
     first_round = [
         max(min(r["stats"]["auto"]["candidates"][c]["measured_s"][: tuner.STEPS_EACH - 1]) for r in auto_runs)
         for c in range(len(candidates))
     ]
-    assert auto["order"] == [*range(len(candidates)), *(autoplan.runoff(first_round) or ())]
-    assert auto["adopted_at_step"] == PROBE_FROM + len(auto["order"]) * tuner.STEPS_EACH
+    leaders = sorted(range(len(candidates)), key=lambda c: (first_round[c], c))[:2]
+    assert auto["order"] == [*range(len(candidates)), max(leaders), min(leaders)]
+    assert auto["adopted_at_step"] == ADOPTED_AT
     for c, candidate in enumerate(candidates):
         assert len(candidate["measured_s"]) == (tuner.STEPS_EACH - 1) * auto["order"].count(c)
     adopted = Plan.from_dict(first["plan"])
@@ -137,14 +153,22 @@ def test_a_checkpoint_resumes_plan_auto_in_the_phase_it_was_taken(auto_runs: lis
     assert measuring["measured_from_step"] == SAVE_AT["measuring"]
     assert measuring["adopted_at_step"] is not None and restored[SAVE_AT["measuring"]]["plan"] is not None
     # Taken while probing: the same candidates in the same order, the counted times kept, adopted
-    # once the rest are tried (a runoff is decided on the resumed run's own times).
-    probing = restored[SAVE_AT["probing"]]["auto"]
-    n = len(auto["candidates"])
-    assert [c["label"] for c in probing["candidates"]] == [c["label"] for c in auto["candidates"]]
-    first = tuner.STEPS_EACH - 1
-    assert probing["candidates"][0]["measured_s"][:first] == auto["candidates"][0]["measured_s"][:first]
-    assert probing["order"][:n] == list(range(n))
-    assert probing["adopted_at_step"] == PROBE_FROM + len(probing["order"]) * tuner.STEPS_EACH
+    # once the rest are tried. The runoff's pair is the resumed run's to pick where the checkpoint
+    # came before it was picked (the times after the checkpoint are the resumed run's own, and the
+    # time of the step just before it is taken only at the next step's start: lost).
+    labels = [c["label"] for c in auto["candidates"]]
+    for phase in ("probing", "round's end", "runoff"):
+        resumed = restored[SAVE_AT[phase]]["auto"]
+        assert [c["label"] for c in resumed["candidates"]] == labels, phase
+        # Slots whose counted times were all taken before the checkpoint.
+        tried = (SAVE_AT[phase] - PROBE_FROM - 1) // tuner.STEPS_EACH
+        for c in range(min(tried, len(labels))):
+            saved_s = auto["candidates"][c]["measured_s"][: tuner.STEPS_EACH - 1]
+            assert resumed["candidates"][c]["measured_s"][: tuner.STEPS_EACH - 1] == saved_s, phase
+        assert resumed["order"][: len(labels)] == list(range(len(labels))), phase
+        if phase == "runoff":
+            assert resumed["order"] == auto["order"]
+        assert resumed["adopted_at_step"] == ADOPTED_AT, phase
     # Taken after adoption: the same plan, and the exact same trajectory.
     adopted = restored[SAVE_AT["adopted"]]
     assert adopted["plan"] == saved_run["plan"]
