@@ -1,7 +1,7 @@
-"""Multi-process tests: each spawns gloo ranks through dist_harness.run_ranks.
+"""Multi-process tests: each starts gloo ranks through dist_harness.run_ranks.
 
-Spawned ranks import the worker functions by module name, so this folder must be importable
-from sys.path in the test process (whose sys.path the spawned children copy).
+Rank processes import the worker functions by module name, so this folder must be importable
+from sys.path in the test process (whose sys.path the rank processes copy).
 """
 
 import sys

@@ -1,10 +1,14 @@
-"""Run a function on N spawned ranks joined by a gloo process group, and collect what they return.
+"""Run a function on N gloo ranks, one process each, and collect what they return.
 
     results = run_ranks(worker, world_size=4, args=(...,))   # results[r] is rank r's return value
 
 `worker(rank, world_size, *args)` must be a picklable top-level function. Each rank runs it in a
-fresh spawned process with torch.set_num_threads(1), inside an initialized gloo process group over
-127.0.0.1, and the process group is destroyed afterwards whatever happens.
+fresh process with torch.set_num_threads(1), inside an initialized gloo process group over
+127.0.0.1, and the process group is destroyed afterwards whatever happens. The processes are forked
+by multiprocessing's forkserver, whose server imported torch, gradsync and this module once: a
+spawned interpreter imports them again, about 2.5 s of CPU per rank, most of a short test's time
+where 4 ranks share 2 cores. Nothing of the test process's state reaches a rank but its arguments
+(the server forks from a clean import, as spawn would start one).
 
 The rendezvous is a TCPStore that the test process itself hosts on a port the OS picks (port 0),
 so two runs never contend for a port. A rank's exception fails the test with that rank's
@@ -52,14 +56,17 @@ def run_ranks(
     pg_timeout_s: float | None = None,
     may_die: Sequence[int] = (),
 ) -> list[Any]:
-    """fn(rank, world_size, *args) on `world_size` spawned gloo ranks; their results in rank order.
+    """fn(rank, world_size, *args) on `world_size` gloo ranks; their results in rank order.
 
     `pg_timeout_s`: the process group's timeout (init_process_group(timeout=...)), how long a
     collective waits for its peers; default `timeout_s`. Ranks in `may_die` may end without a
     report (a test that kills one): their result is None.
     """
     __tracebackhide__ = True  # a failure shows the ranks' tracebacks, not this harness
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Taken when the server starts (the first run). Python 3.11's server ignores the test process's
+    # sys.path, so this module may not import there (skipped silently): what it imports is named.
+    ctx.set_forkserver_preload(["torch", "gradsync", "pytest", __name__])
     results: queue.Queue = ctx.Queue()
     # The test process hosts the rendezvous store on a port the OS chose, and holds it until the
     # ranks are done: no free-port race with other runs, even concurrent ones.
@@ -151,7 +158,7 @@ def _rank_main(
     args: tuple,
     results: queue.Queue,
 ) -> None:
-    """Body of one spawned rank: join the group, run fn, report its result or traceback."""
+    """Body of one rank: join the group, run fn, report its result or traceback."""
     torch.set_num_threads(1)
     # Gloo's own connections go over loopback too, whatever the host name resolves to.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
