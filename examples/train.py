@@ -8,7 +8,8 @@ gradients are averaged: plain DDP, PyTorch's own communication hooks, or gradsyn
 settings a user would write first. `gradsync bench script` runs it on emulated hosts and compares.
 
 Rank 0 prints one JSON line per step ({"step", "step_s", "loss"}) and, with --json, writes the
-run's step times, its CPU time per step (every thread of rank 0's process) and held-out losses there.
+run's step times, its CPU time per step (every thread of rank 0's process), held-out losses and,
+for plan="auto", the plan it adopted there.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def main() -> None:
     # several buckets, two ranks may issue them in different orders on gloo and hang. One bucket.
     buckets = {"bucket_cap_mb": 1 << 16} if args.sync == "torch-powersgd" else {}
     model = DistributedDataParallel(make_model(), **buckets)
-    install(args.sync, model)
+    state = install(args.sync, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     means = 0.25 * torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(1))
     heldout = samples(HELDOUT, torch.Generator().manual_seed(2), means)
@@ -133,6 +134,7 @@ def main() -> None:
             evals.append(evaluate(step + 1, wall_s))
     if rank == 0 and args.json:
         params = sum(p.numel() for p in model.parameters())
+        auto = state.stats().get("auto") if isinstance(state, gradsync.SyncState) else None
         with open(args.json, "w") as out:
             json.dump(
                 {
@@ -142,6 +144,7 @@ def main() -> None:
                     "step_s": step_s,
                     "cpu_s": cpu_s,
                     "evals": evals,
+                    "plan": auto["chosen"] if auto else None,  # what plan="auto" adopted
                 },
                 out,
             )

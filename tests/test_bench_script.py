@@ -67,6 +67,22 @@ def test_cpu_per_step_is_the_median_after_warm_up_where_the_script_records_it() 
     assert (rows["gradsync"], rows["ddp"]) == ("0.200", "-")
 
 
+def test_the_plans_auto_adopted_are_kept_round_by_round_and_named_under_the_table() -> None:
+    options = script.ScriptOptions(steps=STEPS)
+    raw = {"ddp": [[1.0] * STEPS] * 2, "gradsync-auto": [[0.5] * STEPS] * 2}
+    plans = {"ddp": [None, None], "gradsync-auto": ["int4, DDP buckets", "per-group plan 1 (4 groups)"]}
+    doc = script.summarize(raw, table_meta(options), options, None, plans)
+    runs = {r["sync"]: r for r in doc["runs"]}
+    assert runs["gradsync-auto"]["adopted"] == plans["gradsync-auto"] and runs["ddp"]["adopted"] is None
+    caption = script.table(doc).splitlines()[-1]
+    assert (
+        "gradsync-auto adopted 'int4, DDP buckets' (round 1); 'per-group plan 1 (4 groups)' (round 2)."
+        in caption
+    )
+    # A document from a script that does not say (or from before it did) names none.
+    assert "adopted" not in script.table(script.summarize(raw, table_meta(options), options)).splitlines()[-1]
+
+
 def test_top_k_runs_longer_and_its_steady_steps_start_after_its_sparsity_warm_up() -> None:
     options = script.ScriptOptions(steps=STEPS)
     warmup = script.LONGER_WARMUP["gradsync-topk"]

@@ -95,6 +95,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
     """Every way, `repeats` times in turn; the document of every step's time (see summarize)."""
     raw: dict[str, list[list[float]]] = {sync: [] for sync in options.syncs}
     cpu: dict[str, list[list[float]]] = {sync: [] for sync in options.syncs}
+    plans: dict[str, list[str | None]] = {sync: [] for sync in options.syncs}
     params = None
     with tempfile.TemporaryDirectory(prefix="gradsync-script-") as tmp:
         for round_ in range(options.repeats):
@@ -102,6 +103,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
                 found = _run_one(options, network, sync, Path(tmp) / f"{sync}-{round_}")
                 raw[sync].append(found["step_s"])
                 cpu[sync].append(found.get("cpu_s", []))  # a script may not record it
+                plans[sync].append(found.get("plan"))  # what plan="auto" adopted, where it says
                 params = found["params"]
                 steady = found["step_s"][options.steady_from_for(sync) :]
                 say(f"{sync} (round {round_ + 1}): median step {statistics.median(steady):.3f} s")
@@ -111,7 +113,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
         "network": network.to_dict(),
         "params": params,
     }
-    return summarize(raw, meta, options, cpu)
+    return summarize(raw, meta, options, cpu, plans)
 
 
 def _run_one(options: ScriptOptions, network: Network, sync: str, stem: Path) -> dict[str, Any]:
@@ -129,10 +131,12 @@ def summarize(
     meta: dict[str, Any],
     options: ScriptOptions,
     cpu: dict[str, list[list[float]]] | None = None,
+    plans: dict[str, list[str | None]] | None = None,
 ) -> dict[str, Any]:
     """Per way: the median and p90 step after its steady_from, over every round; the median of
-    the first FIRST_STEPS steps; the p90 of plan="auto"'s planning steps; and, where `cpu` holds
-    rank 0's CPU seconds of each step, their median after its steady_from (else None). Pure."""
+    the first FIRST_STEPS steps; the p90 of plan="auto"'s planning steps; where `cpu` holds rank
+    0's CPU seconds of each step, their median after its steady_from (else None); and where
+    `plans` names the plan a way adopted in each round (plan="auto"), those. Pure."""
     runs = []
     for sync, rounds in raw.items():
         start = options.steady_from_for(sync)
@@ -150,6 +154,7 @@ def summarize(
                 "first_median_s": statistics.median(first),
                 "planning_p90_s": quantile(planning, 0.9) if sync == "gradsync-auto" else None,
                 "cpu_median_s": statistics.median(cpu_steady) if cpu_steady else None,
+                "adopted": [p for p in (plans or {}).get(sync, []) if p] or None,
             }
         )
     by_sync = {r["sync"]: r for r in runs}
@@ -258,7 +263,16 @@ def conditions(document: dict[str, Any]) -> str:
         f"Network: {network['description']}"
         f"{probe}. Machine: {meta['machine']['cores']} cores shared by all ranks (CPU work weighs "
         f"more than on real hosts), torch {meta['machine']['torch']}; commit {meta['commit'][:12]}"
-        f"{' (with uncommitted changes)' if meta['dirty'] else ''}, {meta['date']}."
+        f"{' (with uncommitted changes)' if meta['dirty'] else ''}, {meta['date']}.{_adopted(document)}"
+    )
+
+
+def _adopted(document: dict[str, Any]) -> str:
+    """The plans a way adopted (plan="auto"), round by round, where the script recorded them."""
+    return "".join(
+        f" {r['sync']} adopted {'; '.join(f'{p!r} (round {k})' for k, p in enumerate(r['adopted'], 1))}."
+        for r in document["runs"]
+        if r.get("adopted")
     )
 
 
