@@ -566,8 +566,7 @@ class SyncState:
         point = self.points.get(group)
         if point is None:
             point = self.points[group] = self._new_point(group, x.numel(), params)
-            if type(point.codec).warms_up:  # a codec made mid-run (a new plan) is as far along
-                point.codec.steps = self._compressed_before(step)
+            self._set_warmup(point, step)  # a codec made mid-run (a new plan) is as far along
         elif point.numel != x.numel():
             raise ValueError(
                 f"gradsync group {group} has {x.numel()} elements but its state was made for "
@@ -575,6 +574,12 @@ class SyncState:
                 "another run); register gradsync afresh for this layout"
             )
         return point
+
+    def _set_warmup(self, point: CompressionPoint, step: int) -> None:
+        """Where the point's codec warms up (Compressor.warms_up), put it where training stands at
+        `step` (_compressed_before)."""
+        if type(point.codec).warms_up:
+            point.codec.steps = self._compressed_before(step)
 
     def _compressed_before(self, step: int) -> int:
         """Steps compressed before `step`: where a codec made at `step` stands in its warm-up

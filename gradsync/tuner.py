@@ -406,8 +406,7 @@ class AutoState(SyncState):
         if running:  # the same groups and strategies: what they hold goes on, nothing is carried
             self.plan = chosen
             for point in self.points.values():
-                if type(point.codec).warms_up:  # the warm-up taken up where training stands
-                    point.codec.steps = self._compressed_before(step)
+                self._set_warmup(point, step)  # as a codec made at adoption would stand
         else:
             self.use_plan(chosen, carry=True)
         self.timer.close()

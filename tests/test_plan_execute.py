@@ -170,16 +170,6 @@ def test_plan_auto_plans_every_trainable_parameter_even_one_never_used(one_rank:
     assert all(g is not None for g in state.stats()["groups"])  # and every group ran
 
 
-def _train_auto(model: nn.Module, steps: int) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss_fn = nn.CrossEntropyLoss()
-    for step in range(steps):
-        words, labels = batch(step)
-        optimizer.zero_grad()
-        loss_fn(model(words), labels).backward()
-        optimizer.step()
-
-
 @pytest.mark.parametrize("turns", [False, True], ids=["runoff-confirms", "runoff-turns"])
 def test_plan_auto_runs_off_close_candidates_and_keeps_the_winner_running(
     one_rank: None, monkeypatch: pytest.MonkeyPatch, turns: bool
@@ -206,10 +196,11 @@ def test_plan_auto_runs_off_close_candidates_and_keeps_the_winner_running(
     model = DistributedDataParallel(Net())
     state = gradsync.register(model, config(plan="auto", compressor="topk", compressor_args={"ratio": 0.1}))
     assert isinstance(state, AutoState)
-    _train_auto(model, tuner.warmup_steps(state.config) - 1)
+    last_probe = tuner.warmup_steps(state.config) - 1
+    _train(model, last_probe)
     assert not state.done and state.probe_from is not None
     points_before = dict(state.points)  # what runs in the runoff's last steps
-    _train_auto(model, 3)
+    _train(model, 3, first=last_probe)
     assert state.done
     n = len(state.candidates)
     lead, other = lead_and_other(state)
@@ -238,7 +229,7 @@ def test_plan_auto_resumes_a_checkpoint_saved_before_runoffs_existed(
     state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
     assert isinstance(state, AutoState)
     probe_from = max(tuner.MEASURED + 1, state.config.warmup_steps)
-    _train_auto(model, probe_from + tuner.STEPS_EACH + 1)
+    _train(model, probe_from + tuner.STEPS_EACH + 1)
     own = AutoState._own_state
 
     def without_order(self: AutoState) -> dict[str, Any]:
