@@ -65,6 +65,10 @@ class _OuterSyncState(SyncState):
     optimizer's here; counted in outer syncs (one per H steps, and per fragment) it would span most
     of a run, sending a quarter of the entries where `ratio` was asked for."""
 
+    # The outer gradient is applied at the outer optimizer's rate, not at the inner SGD's that
+    # gradsync.learning_rate would find over the same parameters.
+    follows_learning_rate = False
+
     def _compressed_before(self, step: int) -> int:
         return PAST_WARMUP
 

@@ -80,6 +80,11 @@ class Feedback:
     ) -> torch.Tensor:
         return total
 
+    def rescale(self, ratio: float) -> None:
+        """The learning rate changed by 1 / `ratio`: scale what the memory holds back so that it
+        moves the parameters as far at the new rate (gradsync.learning_rate). Nothing here: only
+        residual memories hold back part of the update."""
+
     def state_dict(self) -> dict[str, Any]:
         return {name: _copy(value) for name, value in self._state().items()}
 
@@ -152,6 +157,10 @@ class ErrorFeedback(Feedback):
         # The same p as prepare's (torch.add with alpha 1 adds exactly), in the same spare.
         self._spare = _spare_like(self._spare, g)
         return self._spare, Corrected(g, self._memory("error", g), 1 / world_size)
+
+    def rescale(self, ratio: float) -> None:
+        if self.error is not None:
+            self.error.mul_(ratio)
 
     def update(
         self,

@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from .compress.base import check_int
 from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec
 from .feedback import Feedback
 from .lane import Lane
+from .learning_rate import LearningRate
 from .regroup import Regroup
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
@@ -65,6 +66,8 @@ class CompressionPoint:
     params: tuple[int, ...] | None = None
     # Two-shot with error feedback: the memory of re-encoding the shard this rank owns.
     shard_error: torch.Tensor | None = None
+    # The learning rates the memories hold updates for (gradsync.learning_rate); None: unknown.
+    rates: tuple[float, ...] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -73,7 +76,14 @@ class CompressionPoint:
             "codec": self.codec.state_dict(),
             "feedback": self.feedback.state_dict(),
             "shard_error": None if self.shard_error is None else self.shard_error.clone(),
+            "rates": None if self.rates is None else list(self.rates),
         }
+
+    def rescale(self, ratio: float) -> None:
+        """Scale every memory that holds back part of the update (Feedback.rescale)."""
+        self.feedback.rescale(ratio)
+        if self.shard_error is not None:
+            self.shard_error.mul_(ratio)
 
     def shard_memory(self, like: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
         """The shard's error memory, zero on first use (a two-shot group with error feedback)."""
@@ -92,6 +102,10 @@ class SyncState:
         >>> state.stats()["last_step"]["compression_ratio"]
         >>> torch.save(state.state_dict(), f"gradsync-rank{rank}.pt")  # one file per rank
     """
+
+    # Whether error memories follow the learning rate of an SGD over the model's parameters
+    # (gradsync.learning_rate): a gradient's held-back part moves them as far as it would have.
+    follows_learning_rate: ClassVar[bool] = True
 
     def __init__(self, config: SyncConfig, comm: Comm | None = None, model: nn.Module | None = None) -> None:
         """`comm`: the ranks to average over. None binds the default process group at the first
@@ -118,6 +132,9 @@ class SyncState:
         self._param_shapes = [p.shape for p in params]
         self._embeddings = _embedding_params(model) if model is not None else set()
         self._shapes_digest = checkpoint.digest(self._param_shapes) if model is not None else None
+        # The rate the user's SGD applies to those parameters, which error memories follow.
+        follows = model is not None and self.follows_learning_rate
+        self._learning_rate = LearningRate(params) if follows else None
         # -- the plan executed from the first compressed step on; None: config.compressor per bucket
         self.plan: PlanLike | None = None
         self._strategies: list[Strategy] = []
@@ -166,7 +183,10 @@ class SyncState:
         self._executed = {}
 
     def close(self) -> None:
-        """Remove what gradsync added to the model besides its hook (plan="auto"'s timers)."""
+        """Remove what gradsync added to the model besides its hook (plan="auto"'s timers) and
+        stop watching the optimizer's steps (gradsync.learning_rate)."""
+        if self._learning_rate is not None:
+            self._learning_rate.close()
 
     def sync(
         self,
@@ -299,7 +319,13 @@ class SyncState:
         # a group refuses to sync once unpickled; one still waiting to bind the default group binds
         # wherever it is unpickled (a framework may pickle it to its processes, as ddp_spawn does).
         unbound = self._binds_default_group and self.comm is None
-        return {**self.__dict__, "comm": None, "_param_index": None, "_binds_default_group": unbound}
+        return {
+            **self.__dict__,
+            "comm": None,
+            "_param_index": None,
+            "_binds_default_group": unbound,
+            "_learning_rate": None,  # it watches this process's optimizers
+        }
 
     # -- one group's path -----------------------------------------------------------------------
 
@@ -329,6 +355,7 @@ class SyncState:
                 *(step, _key(self.plan is not None, group), strategy.text, strategy.collective),
             )
         point = self._point(group, x, step, params)
+        self._follow_learning_rate(point)
         # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
         # payload carries NaN and inf by itself: no check, no flag (as PyTorch's fp16 hook).
         guard = not (
@@ -575,6 +602,18 @@ class SyncState:
             )
         return point
 
+    def _follow_learning_rate(self, point: CompressionPoint) -> None:
+        """Where the learning rate changed since the point's memories were last used, scale them
+        by old rate / new (gradsync.learning_rate); a rate of zero leaves them as they are."""
+        if self._learning_rate is None:
+            return
+        now = self._learning_rate.now()
+        ratio = self._learning_rate.ratio(point.rates, now)
+        if ratio != 1.0:
+            point.rescale(ratio)
+        if now is not None and all(rate > 0 for rate in now):
+            point.rates = now
+
     def _set_warmup(self, point: CompressionPoint, step: int) -> None:
         """Where the point's codec warms up (Compressor.warms_up), put it where training stands at
         `step` (_compressed_before)."""
@@ -645,6 +684,8 @@ class SyncState:
             point.codec.load_state_dict(saved["codec"])
             point.feedback.load_state_dict(saved["feedback"])
             point.shard_error = saved.get("shard_error")  # absent from checkpoints before two-shot
+            rates = saved.get("rates")  # absent from checkpoints before memories followed the rate
+            point.rates = None if rates is None else tuple(rates)
             self.points[int(index)] = point
         self.layout = {int(index): tuple(params) for index, params in state["layout"].items()}
         self.sparse.load_state_dict(state["sparse"])

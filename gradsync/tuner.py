@@ -255,6 +255,7 @@ class AutoState(SyncState):
         return self.adopted_at is not None
 
     def close(self) -> None:
+        super().close()
         self.timer.close()
 
     def start_step(self, step: int, last_bucket: Future | None = None) -> None:

@@ -1,0 +1,175 @@
+"""Error memories follow the learning rate of the user's SGD (gradsync.learning_rate)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync import SyncConfig, SyncState
+from gradsync.comm import LocalComm
+from gradsync.learning_rate import LearningRate
+
+WARMUP = 2
+STEPS = 30
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # a test's model; gradients below come from seeded generators
+    return nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5))
+
+
+def _train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: SyncState,
+    steps: int = STEPS,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Train on seeded random gradients through state.sync, one group holding every parameter;
+    returns (sum of rate x gradient over the steps, sum of rate x update applied, the last
+    step's rate)."""
+    params = list(model.parameters())
+    rate = 0.0
+    generator = torch.Generator().manual_seed(seed)
+    wanted = torch.zeros(sum(p.numel() for p in params))
+    applied = torch.zeros_like(wanted)
+    for _ in range(steps):
+        g = torch.randn(wanted.numel(), generator=generator)
+        average = state.sync(g.clone(), 0, True, params=list(range(len(params)))).wait()
+        rate = optimizer.param_groups[0]["lr"]
+        wanted.add_(g, alpha=rate)
+        applied.add_(average, alpha=rate)
+        for p, part in zip(params, average.split([p.numel() for p in params]), strict=True):
+            p.grad = part.view_as(p).clone()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return wanted, applied, rate
+
+
+def _state(model: nn.Module, **fields: object) -> SyncState:
+    fields = {"warmup_steps": WARMUP, "min_compress_numel": 0, "compressor": "topk", **fields}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return SyncState(SyncConfig(**fields), LocalComm(), model)  # type: ignore[arg-type]
+
+
+def _memory(state: SyncState) -> torch.Tensor:
+    error = state.points[0].feedback.error  # type: ignore[attr-defined]
+    assert error is not None
+    return error
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_nothing_is_lost_in_parameter_units_under_a_decaying_rate(follows: bool) -> None:
+    # Residual feedback with memories that follow the rate: what SGD applied plus what the memory
+    # still holds, at the rate it is held for, is what DDP would have applied, sum of rate x g.
+    # A state without the model cannot follow the rate, and falls short.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS + 5)
+    state = _state(model, compressor_args={"ratio": 0.05})
+    if not follows:
+        state = SyncState(state.config, LocalComm())
+    wanted, applied, last = _train(model, optimizer, state, scheduler=scheduler)
+    if follows:
+        assert state.points[0].rates == (last,)
+        torch.testing.assert_close(applied + _memory(state) * last, wanted, rtol=1e-4, atol=1e-6)
+    else:
+        assert state.points[0].rates is None
+        assert not torch.allclose(applied + _memory(state) * last, wanted, rtol=1e-4, atol=1e-6)
+
+
+def test_a_constant_rate_leaves_memories_in_gradient_units() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = _state(model, compressor_args={"ratio": 0.05})
+    wanted, applied, _ = _train(model, optimizer, state)
+    torch.testing.assert_close(applied + 0.1 * _memory(state), wanted, rtol=1e-4, atol=1e-5)
+
+
+def test_adaptive_optimizers_are_not_followed() -> None:
+    # Adam's step is not proportional to the gradient: the memory stays in gradient units, as
+    # without a model, whatever the schedule does.
+    results = []
+    for with_model in (True, False):
+        model = _model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        state = _state(model, compressor_args={"ratio": 0.05})
+        if not with_model:
+            state = SyncState(state.config, LocalComm())
+        _train(model, optimizer, state, scheduler=scheduler)
+        results.append(_memory(state))
+    assert torch.equal(results[0], results[1])
+
+
+def test_a_checkpoint_keeps_the_rate_its_memories_are_held_at() -> None:
+    # Resumed after a save, training goes on exactly as without the interruption.
+    def run(interrupt: bool) -> torch.Tensor:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        # Rates change before the save and after the restore, once the optimizer is seen again.
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[5, 11], gamma=0.5)
+        state = _state(model, error_feedback="momentum", compressor_args={"ratio": 0.05})
+        _train(model, optimizer, state, steps=10, scheduler=scheduler)
+        if interrupt:
+            saved = state.state_dict()
+            state.close()
+            state = _state(model, error_feedback="momentum", compressor_args={"ratio": 0.05})
+            state.load_state_dict(saved)
+        _train(model, optimizer, state, steps=10, scheduler=scheduler, seed=1)
+        return torch.cat([p.detach().view(-1) for p in model.parameters()])
+
+    assert torch.equal(run(interrupt=True), run(interrupt=False))
+
+
+def test_the_watcher_finds_sgd_over_the_model_only() -> None:
+    model, other = _model(), _model()
+    watcher = LearningRate(model.parameters())
+    assert watcher.now() is None  # nothing stepped yet
+    elsewhere = torch.optim.SGD(other.parameters(), lr=0.5)
+    adam = torch.optim.Adam(model.parameters(), lr=0.3)
+    groups = [{"params": model[0].parameters(), "lr": 0.2}, {"params": model[1].parameters()}]
+    sgd = torch.optim.SGD(groups, lr=0.1)
+    for optimizer in (elsewhere, adam, sgd):
+        optimizer.step()
+    assert watcher.now() == (0.2, 0.1)
+    sgd.param_groups[0]["lr"] = 0.4
+    assert watcher.now() == (0.4, 0.1)
+    watcher.close()
+    later = torch.optim.SGD(model.parameters(), lr=0.7)
+    later.step()  # not seen: the hook is gone
+    assert watcher.now() == (0.4, 0.1)
+
+
+def test_ratio_rules(caplog: pytest.LogCaptureFixture) -> None:
+    watcher = LearningRate([])
+    assert watcher.ratio((0.1, 0.2), (0.05, 0.1)) == pytest.approx(2.0)
+    assert watcher.ratio(None, (0.1,)) == 1.0
+    assert watcher.ratio((0.1,), None) == 1.0
+    assert watcher.ratio((0.1,), (0.0,)) == 1.0  # a zero rate applies nothing: memories wait
+    assert watcher.ratio((0.1,), (0.1, 0.2)) == 1.0  # another optimizer appeared
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        assert watcher.ratio((0.1, 0.2), (0.05, 0.2)) == 1.0
+        assert watcher.ratio((0.1, 0.2), (0.05, 0.2)) == 1.0
+    assert len([r for r in caplog.records if "different factors" in r.message]) == 1
+
+
+def test_the_global_hook_goes_with_the_watcher() -> None:
+    from torch.optim import optimizer as optim_module
+
+    hooks = optim_module._global_optimizer_pre_hooks
+    gc.collect()  # other tests' watchers, already unreachable, go first
+    before = len(hooks)
+    watcher = LearningRate(_model().parameters())
+    assert len(hooks) == before + 1
+    del watcher
+    gc.collect()
+    assert len(hooks) == before
