@@ -35,6 +35,8 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         key = f"param {state._param_index[id(param)]}" if state._param_index else f"bucket {index}"
         return state.sync_rows(buffer, key, is_last)
     if state._param_index is None:  # installed by register_comm_hook, not register(): buckets only
+        if first_iteration:  # every parameter is in some bucket of DDP's first iteration
+            state._watch(bucket.parameters())
         return state.sync(buffer, index, is_last, compress=not first_iteration)
     params = tuple(state._param_index[id(p)] for p in bucket.parameters())
     state._ddp_layout[index] = params

@@ -37,13 +37,18 @@ class LearningRate:
     per param group holding any of `params`, known once such an optimizer has stepped."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
-        self._ids = frozenset(id(p) for p in params)
+        self._ids = {id(p) for p in params}
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # ours, in the order seen
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned = False
         # The global hook holds this object weakly, and is removed once it is collected.
         handle = register_optimizer_step_pre_hook(_Seen(weakref.ref(self)))
         self._release = weakref.finalize(self, handle.remove)
+
+    def watch(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Follow the rate over `params` too (parameters met one DDP bucket at a time), from the
+        next optimizer met."""
+        self._ids.update(id(p) for p in params)
 
     def close(self) -> None:
         """Stop watching optimizers' steps."""

@@ -602,6 +602,16 @@ class SyncState:
             )
         return point
 
+    def _watch(self, params: Sequence[nn.Parameter]) -> None:
+        """A DDP bucket's parameters, for a state made without the model (register_comm_hook, as
+        Lightning's ddp_comm_state): their learning rate is followed as register()'s is."""
+        if not self.follows_learning_rate:
+            return
+        if self._learning_rate is None:
+            self._learning_rate = LearningRate(params)
+        else:
+            self._learning_rate.watch(params)
+
     def _follow_learning_rate(self, point: CompressionPoint) -> None:
         """Where the learning rate changed since the point's memories were last used, scale them
         by old rate / new (gradsync.learning_rate); a rate of zero leaves them as they are."""
