@@ -83,7 +83,9 @@ class Feedback:
     def rescale(self, ratio: float) -> None:
         """The learning rate changed by 1 / `ratio`: scale what the memory holds back so that it
         moves the parameters as far at the new rate (gradsync.learning_rate). Nothing here: only
-        residual memories hold back part of the update."""
+        residual feedback's memory holds back part of the update as such (EF21's and EControl's
+        mirrors estimate the gradient; EControl's own residual enters p damped by eta, and was
+        left in gradient units, unmeasured)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {name: _copy(value) for name, value in self._state().items()}

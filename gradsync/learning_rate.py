@@ -3,12 +3,10 @@
 An error memory holds gradient that compression held back: the optimizer applies it steps later,
 at the learning rate of that later step. Under a decaying schedule that rate is smaller than the
 one the gradient was computed for, so the held-back part moves the parameters less than it would
-have under DDP, and what is still held when the rate nears zero is never applied. On mlp-wide
-(cosine decay to 0 over 400 steps) top-k 1% with momentum correction ended 4.8% above DDP's
-held-out loss with memories in gradient units, and level with DDP with memories scaled by the
-ratio of the old rate to the new at each step (docs/compressors.md): the memory then holds
-parameter movement, as in EF-SGD's formulation (Stich et al. 2018; Karimireddy et al. 2019),
-where the memory accumulates learning rate times gradient.
+have under DDP, and what is still held when the rate nears zero is never applied. Scaled by the
+ratio of the old rate to the new at each step, the memory holds parameter movement instead, as
+in EF-SGD's formulation (Stich et al. 2018; Karimireddy et al. 2019), where the memory
+accumulates learning rate times gradient. docs/compressors.md measures what that changes.
 
 The hook does not see the optimizer, so this watches every optimizer's step (PyTorch's global
 step pre-hook) and keeps those that are SGD and hold one of the model's parameters. Only SGD:
@@ -18,6 +16,7 @@ its step is the learning rate times the gradient (and its momentum); an adaptive
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import weakref
@@ -41,6 +40,7 @@ class LearningRate:
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # ours, in the order seen
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._warned = False
+        self._searched = False  # whether now() looked for optimizers among the live objects
         # The global hook holds this object weakly, and is removed once it is collected.
         handle = register_optimizer_step_pre_hook(_Seen(weakref.ref(self)))
         self._release = weakref.finalize(self, handle.remove)
@@ -56,7 +56,18 @@ class LearningRate:
 
     def now(self) -> Rates | None:
         """The rates of the param groups holding the model's parameters, in the order the
-        optimizers were seen; None before any SGD over them stepped."""
+        optimizers were seen; None where no SGD over them exists."""
+        if not self._optimizers and not self._searched:
+            # No optimizer has stepped since this watcher was made: a state restored from a
+            # checkpoint (or compressing from step 0) meets its first compressed step before the
+            # optimizer's next step. Its memories need the rate now, so look for the optimizer
+            # among the live objects, once.
+            self._searched = True
+            for obj in gc.get_objects():
+                # type(), not isinstance: some objects (torch.distributed.reduce_op) warn when
+                # asked for their __class__.
+                if issubclass(type(obj), torch.optim.Optimizer):
+                    self._seen(obj)
         rates = tuple(
             float(group["lr"])
             for optimizer in (ref() for ref in self._optimizers)
@@ -68,21 +79,26 @@ class LearningRate:
 
     def ratio(self, before: Rates | None, now: Rates | None) -> float:
         """What scales a memory held at rates `before` so that it moves the parameters at rates
-        `now` as far as it would have at `before`: before / now, where every group's rate moved
-        by the same factor (as a scheduler's do). 1 where either is unknown or not positive, or
-        where groups' rates moved apart (warned once: the memory is one tensor per group of
-        gradients, which may span param groups)."""
+        `now` as far as it would have at `before`: before / now over the groups whose rate is
+        positive at both (a zero rate applies nothing: what waits for it stays as it is), where
+        they all moved by the same factor, as a scheduler moves them. 1 where either is unknown,
+        or where groups moved apart: a memory is one tensor per group of gradients and may span
+        param groups (warned once; the next change is followed again)."""
         if before is None or now is None or len(before) != len(now) or before == now:
             return 1.0
-        if not all(0 < rate < math.inf for rate in before + now):
+        ratios = [
+            old / new
+            for old, new in zip(before, now, strict=True)
+            if 0 < old < math.inf and 0 < new < math.inf
+        ]
+        if not ratios:
             return 1.0
-        ratios = [old / new for old, new in zip(before, now, strict=True)]
         if max(ratios) - min(ratios) > 1e-6 * max(ratios):
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "gradsync: the learning rates of the optimizer's param groups changed by different "
-                    "factors (%s); error memories stay in gradient units from here on",
+                    "gradsync: the learning rates of the param groups over the model changed by different "
+                    "factors (%s): error memories were not rescaled for this change (warned once)",
                     ", ".join(f"{r:.6g}" for r in ratios),
                 )
             return 1.0
@@ -95,6 +111,16 @@ class LearningRate:
         ours = any(id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
         if ours and isinstance(optimizer, torch.optim.SGD):
             self._optimizers.append(weakref.ref(optimizer))
+
+
+def held_at(before: Rates | None, now: Rates | None) -> Rates | None:
+    """The rates a memory is held at after a step at `now`: each group's rate where positive,
+    else the rate the memory was last held at for it (a zero rate leaves the memory waiting)."""
+    if now is None:
+        return before
+    if before is None or len(before) != len(now):
+        return now if all(rate > 0 for rate in now) else None
+    return tuple(new if new > 0 else old for old, new in zip(before, now, strict=True))
 
 
 class _Seen:

@@ -44,7 +44,7 @@ from .compress.base import check_int
 from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec
 from .feedback import Feedback
 from .lane import Lane
-from .learning_rate import LearningRate
+from .learning_rate import LearningRate, Rates, held_at
 from .regroup import Regroup
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
@@ -135,6 +135,7 @@ class SyncState:
         # The rate the user's SGD applies to those parameters, which error memories follow.
         follows = model is not None and self.follows_learning_rate
         self._learning_rate = LearningRate(params) if follows else None
+        self._rates: tuple[int, Rates | None] = (-1, None)  # (step, the rates read at it)
         # -- the plan executed from the first compressed step on; None: config.compressor per bucket
         self.plan: PlanLike | None = None
         self._strategies: list[Strategy] = []
@@ -355,7 +356,7 @@ class SyncState:
                 *(step, _key(self.plan is not None, group), strategy.text, strategy.collective),
             )
         point = self._point(group, x, step, params)
-        self._follow_learning_rate(point)
+        self._follow_learning_rate(point, step)
         # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
         # payload carries NaN and inf by itself: no check, no flag (as PyTorch's fp16 hook).
         guard = not (
@@ -449,6 +450,7 @@ class SyncState:
 
     def _carry_memories(self) -> None:
         for group, point in self.points.items():
+            self._follow_learning_rate(point, self.step)  # carried into this step's gradients
             memory = (
                 getattr(point.feedback, "error", None)
                 if type(point.feedback) is feedback.ErrorFeedback
@@ -612,17 +614,19 @@ class SyncState:
         else:
             self._learning_rate.watch(params)
 
-    def _follow_learning_rate(self, point: CompressionPoint) -> None:
+    def _follow_learning_rate(self, point: CompressionPoint, step: int) -> None:
         """Where the learning rate changed since the point's memories were last used, scale them
-        by old rate / new (gradsync.learning_rate); a rate of zero leaves them as they are."""
+        by old rate / new (gradsync.learning_rate), before `step` adds to them. Also on a step
+        then found non-finite: the memories hold the same movement at the rate now applied."""
         if self._learning_rate is None:
             return
-        now = self._learning_rate.now()
+        if self._rates[0] != step:  # read once a step (a tensor rate is read from its device)
+            self._rates = (step, self._learning_rate.now())
+        now = self._rates[1]
         ratio = self._learning_rate.ratio(point.rates, now)
         if ratio != 1.0:
             point.rescale(ratio)
-        if now is not None and all(rate > 0 for rate in now):
-            point.rates = now
+        point.rates = held_at(point.rates, now)
 
     def _set_warmup(self, point: CompressionPoint, step: int) -> None:
         """Where the point's codec warms up (Compressor.warms_up), put it where training stands at

@@ -12,7 +12,7 @@ from torch import nn
 
 from gradsync import SyncConfig, SyncState
 from gradsync.comm import LocalComm
-from gradsync.learning_rate import LearningRate
+from gradsync.learning_rate import LearningRate, held_at
 
 WARMUP = 2
 STEPS = 30
@@ -61,20 +61,27 @@ def _state(model: nn.Module, **fields: object) -> SyncState:
 
 
 def _memory(state: SyncState) -> torch.Tensor:
+    """Everything the group's memories hold back: the residual, and two-shot's owner's."""
     error = state.points[0].feedback.error  # type: ignore[attr-defined]
     assert error is not None
-    return error
+    shard = state.points[0].shard_error
+    return error if shard is None else error + shard  # a world of one owns the whole group
 
 
 @pytest.mark.parametrize("follows", [True, False])
-def test_nothing_is_lost_in_parameter_units_under_a_decaying_rate(follows: bool) -> None:
-    # Residual feedback with memories that follow the rate: what SGD applied plus what the memory
-    # still holds, at the rate it is held for, is what DDP would have applied, sum of rate x g.
-    # A state without the model cannot follow the rate, and falls short.
+@pytest.mark.parametrize(("compressor", "args"), [("topk", {"ratio": 0.05}), ("int4", {})])
+def test_nothing_is_lost_in_parameter_units_under_a_decaying_rate(
+    follows: bool, compressor: str, args: dict[str, float]
+) -> None:
+    # Residual feedback with memories that follow the rate: what SGD applied plus what the memories
+    # still hold, at the rate they are held for, is what DDP would have applied, sum of rate x g
+    # (int4's fused encode reads the rescaled memory; in a world of one its owner's re-encoding
+    # loses nothing). A state used without DDP or the model cannot follow the rate, and falls
+    # short.
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS + 5)
-    state = _state(model, compressor_args={"ratio": 0.05})
+    state = _state(model, compressor=compressor, compressor_args=args)
     if not follows:
         state = SyncState(state.config, LocalComm())
     wanted, applied, last = _train(model, optimizer, state, scheduler=scheduler)
@@ -84,6 +91,32 @@ def test_nothing_is_lost_in_parameter_units_under_a_decaying_rate(follows: bool)
     else:
         assert state.points[0].rates is None
         assert not torch.allclose(applied + _memory(state) * last, wanted, rtol=1e-4, atol=1e-6)
+
+
+def test_momentum_correction_moves_the_parameters_as_momentum_sgd_would() -> None:
+    # Under SGD with momentum and momentum correction, from the first step compressed: the
+    # parameters' movement plus the residual at its rate is DDP's, sum of rate x velocity. The
+    # optimizer is found before its first step (among the live objects).
+    model = _model()
+    start = torch.cat([p.detach().view(-1) for p in model.parameters()])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS + 5)
+    state = _state(model, warmup_steps=0, error_feedback="momentum", compressor_args={"ratio": 0.05})
+    params = list(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    velocity, wanted, rate = torch.zeros_like(start), torch.zeros_like(start), 0.0
+    for _ in range(STEPS):
+        g = torch.randn(start.numel(), generator=generator)
+        average = state.sync(g.clone(), 0, True, params=list(range(len(params)))).wait()
+        rate = optimizer.param_groups[0]["lr"]
+        velocity.mul_(0.9).add_(g)
+        wanted.add_(velocity, alpha=rate)
+        for p, part in zip(params, average.split([p.numel() for p in params]), strict=True):
+            p.grad = part.view_as(p).clone()
+        optimizer.step()
+        scheduler.step()
+    moved = start - torch.cat([p.detach().view(-1) for p in model.parameters()])
+    torch.testing.assert_close(moved + rate * _memory(state), wanted, rtol=1e-4, atol=1e-5)
 
 
 def test_a_constant_rate_leaves_memories_in_gradient_units() -> None:
@@ -115,8 +148,9 @@ def test_a_checkpoint_keeps_the_rate_its_memories_are_held_at() -> None:
     def run(interrupt: bool) -> torch.Tensor:
         model = _model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        # Rates change before the save and after the restore, once the optimizer is seen again.
-        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[5, 11], gamma=0.5)
+        # Rates change before the save and at the first step after the restore, before the
+        # optimizer steps again (the new state finds it among the live objects).
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[5, 10], gamma=0.5)
         state = _state(model, error_feedback="momentum", compressor_args={"ratio": 0.05})
         _train(model, optimizer, state, steps=10, scheduler=scheduler)
         if interrupt:
@@ -155,6 +189,7 @@ def test_ratio_rules(caplog: pytest.LogCaptureFixture) -> None:
     assert watcher.ratio(None, (0.1,)) == 1.0
     assert watcher.ratio((0.1,), None) == 1.0
     assert watcher.ratio((0.1,), (0.0,)) == 1.0  # a zero rate applies nothing: memories wait
+    assert watcher.ratio((0.0, 0.1), (0.0, 0.05)) == pytest.approx(2.0)  # a frozen group aside
     assert watcher.ratio((0.1,), (0.1, 0.2)) == 1.0  # another optimizer appeared
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         assert watcher.ratio((0.1, 0.2), (0.05, 0.2)) == 1.0
@@ -173,3 +208,12 @@ def test_the_global_hook_goes_with_the_watcher() -> None:
     del watcher
     gc.collect()
     assert len(hooks) == before
+
+
+def test_a_memory_waits_at_its_last_positive_rate() -> None:
+    assert held_at(None, (0.1, 0.2)) == (0.1, 0.2)
+    assert held_at(None, (0.0, 0.2)) is None  # nothing to measure a zero group's change against
+    assert held_at((0.1, 0.2), None) == (0.1, 0.2)
+    assert held_at((0.1, 0.2), (0.0, 0.1)) == (0.1, 0.1)
+    # Back from zero, the change is measured from the rate before it.
+    assert LearningRate([]).ratio(held_at((0.1,), (0.0,)), (0.05,)) == pytest.approx(2.0)
