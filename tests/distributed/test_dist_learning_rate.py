@@ -1,0 +1,78 @@
+"""Error memories follow the learning rate on real gloo ranks: int4 by two-shot, whose owners keep
+a second memory, under SGD with a cosine decay.
+
+Nothing is lost in parameter units: the rate-weighted sum of the averages every rank applied,
+plus every rank's residual memory and every owner's memory of its re-encoded shard, at the rate
+they are held for, is the rate-weighted sum of the true averages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from torch import nn
+
+from gradsync import SyncConfig, SyncState
+from gradsync.comm import TorchComm
+
+WORLD = 3  # shards of unequal length
+STEPS = 12
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # the same model on every rank, as DDP's broadcast would make it
+    return nn.Sequential(nn.Linear(50, 40), nn.Linear(40, 7))
+
+
+def rank_gradient(rank: int, step: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(rank * 1_000 + step))
+
+
+def _train(rank: int, world: int) -> dict:
+    model = _model()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS + 3)
+    state = SyncState(SyncConfig(warmup_steps=2, min_compress_numel=0), TorchComm(None), model)
+    applied, rates = torch.zeros(numel, dtype=torch.float64), []
+    for step in range(STEPS):
+        average = state.sync(
+            rank_gradient(rank, step, numel), 0, True, params=list(range(len(params)))
+        ).wait()
+        rates.append(optimizer.param_groups[0]["lr"])
+        applied.add_(average.double(), alpha=rates[-1])
+        optimizer.step()  # no gradients set: only its rate matters here
+        scheduler.step()
+    point = state.points[0]
+    return {
+        "applied": applied,
+        "rates": rates,
+        "held_at": point.rates,
+        "error": point.feedback.error.double(),  # type: ignore[attr-defined]
+        "shard": point.shard_error.double(),  # type: ignore[union-attr]
+        "collective": state.stats()["groups"][0]["collective"],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_ranks(_train, WORLD, timeout_s=120)
+
+
+def test_nothing_is_lost_in_parameter_units(runs: list[dict]) -> None:
+    assert all(out["collective"] == "two-shot" for out in runs)
+    rates = runs[0]["rates"]
+    numel = runs[0]["applied"].numel()
+    assert rates[-1] < 0.5 * rates[0], "the rate must have decayed for this test to tell"
+    for out in runs:
+        assert out["held_at"] == (rates[-1],)
+        assert torch.equal(out["applied"], runs[0]["applied"])  # every rank applied the same
+    wanted = sum(
+        rate * sum(rank_gradient(r, step, numel).double() for r in range(WORLD)) / WORLD
+        for step, rate in enumerate(rates)
+    )
+    held = sum(out["error"] for out in runs) + torch.cat([out["shard"] for out in runs])
+    assert float(torch.cat([out["shard"] for out in runs]).abs().max()) > 0  # the owners' memory counts
+    torch.testing.assert_close(runs[0]["applied"] + rates[-1] * held, wanted, rtol=0, atol=1e-5)
