@@ -31,7 +31,8 @@ import gradsync
 from gradsync.lightning import GradSync
 
 STEPS, EPOCH, BATCH = 16, 8, 16
-CONFIG = gradsync.SyncConfig(min_compress_numel=0)  # small model: compress it all
+# Small model: compress it all, from step 4, so that memories exist at the resume (step 8).
+CONFIG = gradsync.SyncConfig(min_compress_numel=0, warmup_steps=4)
 
 
 class Net(pl.LightningModule):
@@ -48,8 +49,12 @@ class Net(pl.LightningModule):
         x, y = torch.randn(BATCH, 64, generator=generator), torch.randint(8, (BATCH,), generator=generator)
         return nn.functional.cross_entropy(self.net(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+    def configure_optimizers(self) -> dict:
+        # The rate halves every 4 steps, at the resume step too: gradsync's memories follow it
+        # (gradsync.learning_rate), through the callback and the comm hook alike.
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def data() -> DataLoader:
