@@ -34,12 +34,13 @@ bench-train: $(STAMP)
 		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,powersgd:rank=4,powersgd:rank=8,topk:ef=momentum,auto \
 		--steps 400 --eval-every 25 --out docs/bench-train-mlp-wide
 
-# The same for gpt-tiny (19.1M parameters, AdamW; top-k with plain error feedback, as momentum
-# correction is for momentum SGD).
+# The same for gpt-tiny (19.1M parameters, AdamW): the default, the quality-preserving int8 and
+# PowerSGD rank 4, top-k with plain error feedback (momentum correction is for momentum SGD) and
+# plan="auto", against DDP and torch's fp16 and PowerSGD (rank 4) hooks. About 45 minutes.
 bench-train-gpt-tiny: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload gpt-tiny --world 4 --testbed \
-		--strategies ddp,torch-fp16,int4,topk,auto,auto:compressor=topk --steps 200 --eval-every 25 \
-		--out docs/bench-train-gpt-tiny
+		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,powersgd:rank=4,topk,auto,auto:compressor=topk \
+		--steps 200 --eval-every 25 --out docs/bench-train-gpt-tiny
 
 # Syncing rarely: DiLoCo every 25 inner steps (fp32 outer gradients), every 50 with int4 ones, and
 # Streaming DiLoCo (5 fragments, each exchange overlapping 2 inner steps) against DDP and gradsync's
