@@ -80,6 +80,13 @@ class Feedback:
     ) -> torch.Tensor:
         return total
 
+    def held_back(self) -> torch.Tensor | None:
+        """What compression held back of the gradient, in the gradient's units, where the memory
+        holds it as such: adding it to a later gradient loses nothing (SyncState.use_plan carries
+        it into a new plan's groups this way). None here: EF21's and EControl's mirrors estimate
+        the gradient, they hold nothing back."""
+        return None
+
     def rescale(self, ratio: float) -> None:
         """The learning rate changed by 1 / `ratio`: scale what the memory holds back so that it
         moves the parameters as far at the new rate (gradsync.learning_rate). Nothing here: only
@@ -159,6 +166,9 @@ class ErrorFeedback(Feedback):
         # The same p as prepare's (torch.add with alpha 1 adds exactly), in the same spare.
         self._spare = _spare_like(self._spare, g)
         return self._spare, Corrected(g, self._memory("error", g), 1 / world_size)
+
+    def held_back(self) -> torch.Tensor | None:
+        return self.error
 
     def rescale(self, ratio: float) -> None:
         if self.error is not None:
@@ -289,6 +299,11 @@ class MomentumCorrection(ErrorFeedback):
             velocity.div_(world_size)  # beta u + g / n, from (g + n beta u) / n
         spare = self._spare = _spare_like(self._spare, g)
         return torch.add(self._memory("error", g), velocity, out=spare)
+
+    def held_back(self) -> torch.Tensor | None:
+        # e is velocity held back: added to a gradient, SGD's momentum would apply it 1 / (1 -
+        # beta) times over. Not carried.
+        return None
 
     def update(
         self,

@@ -85,6 +85,20 @@ class CompressionPoint:
         if self.shard_error is not None:
             self.shard_error.mul_(ratio)
 
+    def held_back(self, rank: int, world_size: int) -> torch.Tensor | None:
+        """Everything this point holds back of the gradient, shaped like the group, in this rank's
+        share's units (Feedback.held_back): the residual memory, and, where this rank owns a shard
+        of a two-shot exchange, the memory of re-encoding that shard's sum (added to one rank's
+        share, it reaches the average whole). None where the memory holds nothing back as such."""
+        memory = self.feedback.held_back()
+        if memory is None:
+            return None
+        memory = memory.clone()
+        if self.shard_error is not None:
+            start, end = exchange.shard_bounds(self.numel, world_size)[rank]
+            memory.view(-1)[start:end].add_(self.shard_error)
+        return memory
+
     def shard_memory(self, like: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
         """The shard's error memory, zero on first use (a two-shot group with error feedback)."""
         start, end = exchange.shard_bounds(self.numel, world_size)[rank]
@@ -172,9 +186,10 @@ class SyncState:
         the same plan at the same step.
 
         The earlier points are dropped; with `carry`, what their residual memories (error_feedback
-        "ef") hold is first carried, per parameter, into the next step's gradients, so that nothing
-        compression held back is lost. Other memory forms (EF21's and EControl's mirrors, DGC's
-        accumulators) cannot be split that way and start afresh."""
+        "ef") hold back is first carried, per parameter, into the next step's gradients, so that
+        nothing compression held back is lost (Feedback.held_back). Other memory forms (EF21's and
+        EControl's mirrors, momentum correction's velocities, DGC's accumulators) cannot be split
+        that way and start afresh."""
         if carry:
             self._carry_memories()
         self.plan = plan
@@ -449,20 +464,17 @@ class SyncState:
         return tables if offset == numel else []
 
     def _carry_memories(self) -> None:
+        comm = self._comm()
         for group, point in self.points.items():
             self._follow_learning_rate(point, self.step)  # carried into this step's gradients
-            memory = (
-                getattr(point.feedback, "error", None)
-                if type(point.feedback) is feedback.ErrorFeedback
-                else None
-            )
+            memory = point.held_back(comm.rank, comm.world_size)
             if memory is None:
                 continue
             params = self.layout[group]
             sizes = [self._param_shapes[p].numel() for p in params]
-            for param, part in zip(params, memory.split(sizes), strict=True):
+            for param, part in zip(params, memory.view(-1).split(sizes), strict=True):
                 held = self._carry.get(param)
-                self._carry[param] = part.clone() if held is None else held.add_(part)
+                self._carry[param] = part if held is None else held.add_(part)
 
     def _add_carried(self, x: torch.Tensor, params: Sequence[int] | None) -> None:
         """x += what is carried for its parameters (in buffer order), which is then used up."""

@@ -1,0 +1,94 @@
+"""A new plan adopted mid-run (plan="auto" switches plans while it probes its candidates) carries
+what the old plan's memories held back into the next step's gradients, on real gloo ranks.
+
+int4 by two-shot, whose owners keep a second memory of the shard they re-encode, then a plan of
+other groups and codecs: nothing is lost. The sum of the averages every rank applied, plus every
+memory the new plan holds at the end, is the sum of the true averages, the owners' memories of
+the old plan included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from torch import nn
+
+from gradsync import SyncConfig, SyncState
+from gradsync.comm import TorchComm
+from gradsync.plan import GroupPlan, Plan, signature
+
+WORLD = 3  # shards of unequal length
+STEPS_EACH = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(50, 40), nn.Linear(40, 7))  # parameters of 2000, 40, 280, 7
+
+
+def _plan(model: nn.Module, groups: list[tuple[tuple[int, ...], str]]) -> Plan:
+    numels = [p.numel() for p in model.parameters()]
+    return Plan(
+        signature(model), WORLD, tuple(GroupPlan(ps, sum(numels[p] for p in ps), text) for ps, text in groups)
+    )
+
+
+def rank_gradient(rank: int, step: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(rank * 1_000 + step))
+
+
+def _train(rank: int, world: int, carry: bool) -> dict:
+    model = _model()
+    numel = sum(p.numel() for p in model.parameters())
+    before = _plan(model, [((0, 1, 2, 3), "int4")])
+    after = _plan(model, [((0, 1), "int8"), ((2, 3), "int4")])
+    state = SyncState(SyncConfig(plan=before, warmup_steps=0, error_feedback="ef"), TorchComm(None), model)
+    applied = torch.zeros(numel, dtype=torch.float64)
+    for step in range(STEPS_EACH):
+        applied += state.sync(rank_gradient(rank, step, numel), 0, True, params=[0, 1, 2, 3]).wait().double()
+    owned_at_switch = float(state.points[0].shard_error.abs().max())  # type: ignore[union-attr]
+    state.use_plan(after, carry=carry)
+    for step in range(STEPS_EACH, 2 * STEPS_EACH):
+        g = rank_gradient(rank, step, numel)
+        first = state.sync(g[:2040].clone(), 0, False, params=[0, 1]).wait().double()
+        second = state.sync(g[2040:].clone(), 1, True, params=[2, 3]).wait().double()
+        applied += torch.cat([first, second])
+    held = torch.cat([state.points[g].held_back(rank, world).double() for g in (0, 1)])  # type: ignore[union-attr]
+    return {
+        "applied": applied,
+        "held": held,
+        "owned_at_switch": owned_at_switch,
+        "collectives": [g["collective"] for g in state.stats()["groups"]],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[bool, list[dict]]:
+    return {carry: run_ranks(_train, WORLD, args=(carry,), timeout_s=120) for carry in (True, False)}
+
+
+def _wanted(numel: int) -> torch.Tensor:
+    return sum(
+        sum(rank_gradient(r, step, numel).double() for r in range(WORLD)) / WORLD
+        for step in range(2 * STEPS_EACH)
+    )
+
+
+def test_a_plan_adopted_with_carry_loses_nothing_the_old_plan_held_back(runs: dict[bool, list[dict]]) -> None:
+    carried = runs[True]
+    assert all(out["collectives"] == ["two-shot", "two-shot"] for out in carried)
+    assert all(out["owned_at_switch"] > 0 for out in carried), "the owners' memories must count"
+    for out in carried:
+        assert torch.equal(out["applied"], carried[0]["applied"])  # every rank applied the same
+    wanted = _wanted(carried[0]["applied"].numel())
+    held = sum(out["held"] for out in carried)
+    torch.testing.assert_close(carried[0]["applied"] + held, wanted, rtol=0, atol=1e-5)
+
+
+def test_without_carry_what_the_old_plan_held_back_is_lost(runs: dict[bool, list[dict]]) -> None:
+    # The reference that shows the first test can tell: the same run, its memories dropped.
+    dropped = runs[False]
+    wanted = _wanted(dropped[0]["applied"].numel())
+    held = sum(out["held"] for out in dropped)
+    assert float((dropped[0]["applied"] + held - wanted).abs().max()) > 1e-3
