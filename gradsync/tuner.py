@@ -16,8 +16,9 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
                       list, sent to all: every rank tries the same).
   probing             from the later of that step and config.warmup_steps: each of at most
                       CANDIDATES candidates runs STEPS_EACH steps for real, one after the other;
-                      a step's time is from its forward pass's start to the next one's (the
-                      optimizer included), and each candidate's first step is not counted
+                      a step's time is from its forward pass's start to its last exchange's end
+                      (what a plan changes: what the script does between steps, an evaluation
+                      say, is not counted), and each candidate's first step is not counted
                       (allocations). Where one candidate hands over to the next, what its error
                       memories hold is carried into the next step's gradients: nothing the
                       compression held back is lost.
@@ -55,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import levels, profile
 from .autoplan import CANDIDATES, Measured, candidates, codec_specs, runoff
-from .comm import Comm, allgather_object
+from .comm import Comm, allgather_object, then
 from .compress import PAST_WARMUP
 from .config import SyncConfig
 from .ddp import hook
@@ -93,7 +94,7 @@ class StepTimer:
         self.forward_start: list[float] = []
         self.forward_end: list[float] = []
         self.ready: list[dict[int, float]] = []  # per step: parameter position -> when
-        self.synced: dict[int, float] = {}  # step -> when its last exchange completed
+        self.synced: dict[int, float] = {}  # forward pass -> when its step's last exchange completed
         self._start = model.register_forward_pre_hook(self._forward_started)
         self._handles = [model.register_forward_hook(self._forward_ended)]
         for index, p in enumerate(self.params):
@@ -128,7 +129,9 @@ class StepTimer:
         """(forward_s, backward_s, optimizer_s, ready_s per parameter): medians over `steps`.
 
         The backward pass runs from the forward pass's end to the last gradient; the optimizer
-        from the later of that and the step's last exchange to the next forward pass."""
+        from the later of that and the step's last exchange to the next forward pass: the least
+        such gap, as what else a script does between steps (an evaluation, a checkpoint) only
+        adds to it."""
         forward, backward, optimizer, ready = [], [], [], {}
         for k in steps:
             started, ended, marks = self.forward_start[k], self.forward_end[k], self.ready[k]
@@ -142,7 +145,7 @@ class StepTimer:
         return (
             statistics.median(forward),
             statistics.median(backward),
-            statistics.median(optimizer) if optimizer else 0.0,
+            min(optimizer, default=0.0),
             {index: statistics.median(times) for index, times in ready.items()},
         )
 
@@ -243,6 +246,9 @@ class AutoState(SyncState):
         self.probe_from: int | None = None  # the first probe step, once the candidates are made
         self.order: list[int] = []  # the candidate tried in each probe slot of STEPS_EACH steps
         self.probe_s: dict[int, list[float]] = {}  # candidate -> its counted steps' seconds
+        # The least time from a probe step's last exchange to the next forward pass: the
+        # optimizer's, added to every candidate's measured step alike.
+        self.between_s = math.inf
         self.adopted_at: int | None = None  # the step the adopted plan first ran
         self._started = -1  # the newest step whose start was handled
         self._forward: dict[int, int] = {}  # step -> the timer's index of its forward pass
@@ -271,13 +277,13 @@ class AutoState(SyncState):
         if self.probe_from is None or step < self.probe_from:
             return
         probed = step - 1 - self.probe_from  # the probe step that just ended
-        counted = probed % STEPS_EACH and step - 1 in self._forward  # not a candidate's first step
+        index = self._forward.get(step - 1)
+        synced = self.timer.synced.get(index) if index is not None else None
+        counted = probed % STEPS_EACH and synced is not None  # not a candidate's first step
         if 0 <= probed < len(self.order) * STEPS_EACH and counted:
-            seconds = (
-                self.timer.forward_start[self._forward[step]]
-                - self.timer.forward_start[self._forward[step - 1]]
-            )
+            seconds = synced - self.timer.forward_start[index]  # type: ignore[operator]
             self.probe_s.setdefault(self.order[probed // STEPS_EACH], []).append(seconds)
+            self.between_s = min(self.between_s, self.timer.forward_start[self._forward[step]] - synced)
         slot, into = divmod(step - self.probe_from, STEPS_EACH)
         measured = None  # the candidates' times, where taken at the first round's end
         if slot == len(self.order) == len(self.candidates) and into == 0:
@@ -319,6 +325,7 @@ class AutoState(SyncState):
             "probe_from": self.probe_from,
             "order": list(self.order),
             "probe_s": {c: list(times) for c, times in self.probe_s.items()},
+            "between_s": self.between_s,
             "adopted_at": self.adopted_at,
             "plan": plan,
             "carry": {p: t.clone() for p, t in self._carry.items()},
@@ -338,6 +345,7 @@ class AutoState(SyncState):
         # A checkpoint of a version without runoffs tried the candidates in their order.
         self.order = list(auto.get("order", range(len(self.candidates))))
         self.probe_s = {int(c): list(times) for c, times in auto["probe_s"].items()}
+        self.between_s = auto.get("between_s", math.inf)  # older checkpoints: measured afresh
         self.adopted_at = auto["adopted_at"]
         if self.probe_from is None:  # saved before the candidates were made: measure afresh
             self.measure_from = state["step"]
@@ -389,10 +397,14 @@ class AutoState(SyncState):
         )
 
     def _measured_s(self) -> list[float]:
-        """Each candidate's measured time: the slowest rank's least of its counted steps (load
-        from elsewhere only ever adds time). Every rank must call it at the same step."""
+        """Each candidate's measured step: the slowest rank's least of its counted steps (load
+        from elsewhere only ever adds time), and the least time between a step's exchange and the
+        next forward pass (the optimizer's, alike for every candidate). Every rank must call it at
+        the same step."""
         counted = [min(self.probe_s.get(c) or [math.inf]) for c in range(len(self.candidates))]
-        return profile.slowest_rank(self._comm(), counted, self.timer.device)
+        between = self.between_s if math.isfinite(self.between_s) else 0.0
+        *slowest, between = profile.slowest_rank(self._comm(), [*counted, between], self.timer.device)
+        return [t + between for t in slowest]
 
     def _adopt(self, step: int, slowest: Sequence[float]) -> None:
         """Take the candidate of least measured time (`slowest`: _measured_s()); earlier candidates
@@ -421,8 +433,13 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if state.probe_from is None and state.step == state.measure_from + 1 and state.rank == 0:
         state.note_errors(bucket)
     future = hook(state, bucket)
-    if bucket.is_last() and state.probe_from is None:  # measuring: when the step's exchange ended
-        index = state._forward.get(state.step - 1)
-        if index is not None:
-            future.add_done_callback(lambda _: state.timer.synced.__setitem__(index, time.perf_counter()))
+    index = state._forward.get(state.step - 1)  # the step's, counted as its last bucket went in
+    if bucket.is_last() and not state.done and index is not None:  # when the step's exchange ended
+
+        def synced(average: torch.Tensor) -> torch.Tensor:
+            state.timer.synced[index] = time.perf_counter()
+            return average
+
+        # Chained, not a done-callback: DDP's wait may return before a callback of its future runs.
+        return then(future, synced, bucket.buffer().device)
     return future

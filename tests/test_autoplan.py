@@ -23,7 +23,7 @@ def fit(fixed_s: float, per_unit_s: float) -> LinearFit:
     return LinearFit(fixed_s, per_unit_s, 0.0, 0.0, 2)
 
 
-def test_the_timeline_is_the_median_over_steps_of_hand_fed_marks() -> None:
+def test_the_timeline_is_the_median_over_steps_of_hand_fed_marks_and_the_least_gap_between_steps() -> None:
     timer = tuner.StepTimer(nn.Linear(2, 2))
     timer.close()
     # Three steps: forward from f0 to f1; parameter 0 ready at f1 + r0, parameter 1 at f1 + r1;
@@ -38,8 +38,9 @@ def test_the_timeline_is_the_median_over_steps_of_hand_fed_marks() -> None:
     forward_s, backward_s, optimizer_s, ready = timer.timeline([0, 1, 2])
     assert forward_s == pytest.approx(statistics.median([0.1, 0.2, 0.1]))
     assert backward_s == pytest.approx(statistics.median([0.2, 0.3, 0.2]))
-    # From the later of the last gradient and the exchange's end to the next forward pass.
-    assert optimizer_s == pytest.approx(statistics.median([1.0 - 0.35, 2.0 - 1.6, 3.0 - 2.3]))
+    # From the later of the last gradient and the exchange's end to the next forward pass: the
+    # least of the gaps (a longer one holds something else the script did: an evaluation).
+    assert optimizer_s == pytest.approx(min([1.0 - 0.35, 2.0 - 1.6, 3.0 - 2.3]))
     assert ready[0] == pytest.approx(statistics.median([0.05, 0.05, 0.04]))
     assert ready[1] == pytest.approx(statistics.median([0.2, 0.3, 0.2]))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -220,6 +221,31 @@ def test_plan_auto_runs_off_close_candidates_and_keeps_the_winner_running(
                 assert point.codec.steps == state.step - state.config.warmup_steps
     else:
         assert kept == []  # made afresh, with what the last candidate's memories held carried
+
+
+def test_plan_auto_times_its_probe_steps_without_what_the_script_does_between_them(one_rank: None) -> None:
+    # A script that evaluates between steps (here every other step: an evaluation's forward
+    # passes and 0.3 s of other work) must not make the candidates it lands on look slower. The
+    # time between a step's exchange and the next forward pass counts once, as its least.
+    model = DistributedDataParallel(Net())
+    state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
+    assert isinstance(state, AutoState)
+    evaluation_s = 0.3
+    for step in range(tuner.warmup_steps(state.config) + 1):
+        words, labels = batch(step)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(words), labels).backward()
+        if step % 2:
+            with torch.no_grad():
+                model(words)
+            time.sleep(evaluation_s)
+    assert state.done and state.probe_s
+    counted = [t for times in state.probe_s.values() for t in times]
+    assert len(counted) >= 2 * len(state.candidates)  # evaluations fell on counted steps
+    assert max(counted) < evaluation_s / 3
+    assert state.between_s < evaluation_s / 3
+    chosen = state.plan.measured_step_s  # type: ignore[union-attr]
+    assert chosen == pytest.approx(min(min(t) for t in state.probe_s.values()) + state.between_s)
 
 
 def test_plan_auto_resumes_a_checkpoint_saved_before_runoffs_existed(
