@@ -464,6 +464,8 @@ class SyncState:
         return tables if offset == numel else []
 
     def _carry_memories(self) -> None:
+        if not self.points:  # nothing held (and maybe no process group bound yet)
+            return
         comm = self._comm()
         for group, point in self.points.items():
             self._follow_learning_rate(point, self.step)  # carried into this step's gradients

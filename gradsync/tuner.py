@@ -17,9 +17,11 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
   probing             from the later of that step and config.warmup_steps: each of at most
                       CANDIDATES candidates runs STEPS_EACH steps for real, one after the other;
                       a step's time is from its forward pass's start to its last exchange's end
-                      (what a plan changes: what the script does between steps, an evaluation
-                      say, is not counted), and each candidate's first step is not counted
-                      (allocations). Where one candidate hands over to the next, what its error
+                      (what a plan changes; on a GPU, once the GPU is done with it), plus the
+                      least time seen from an exchange's end to the next forward pass (the
+                      optimizer's, alike for every candidate): what every rank does between steps,
+                      an evaluation say, is not counted. Each candidate's first step is not
+                      counted (allocations). Where one candidate hands over to the next, what its error
                       memories hold is carried into the next step's gradients: nothing the
                       compression held back is lost.
   runoff              where the runner-up's time is within autoplan.RUNOFF_MARGIN of the fastest's,
@@ -42,6 +44,7 @@ serve this one feature, and splitting them would spread its timeline over severa
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
 
 import dataclasses
+import itertools
 import logging
 import math
 import statistics
@@ -126,20 +129,21 @@ class StepTimer:
         self._start.remove()
 
     def timeline(self, steps: Sequence[int]) -> tuple[float, float, float, dict[int, float]]:
-        """(forward_s, backward_s, optimizer_s, ready_s per parameter): medians over `steps`.
+        """(forward_s, backward_s, optimizer_s, ready_s per parameter) of the training steps
+        whose forward passes are `steps` (indices into forward_start, in order; the last only
+        ends the one before it): medians over the steps, but optimizer_s.
 
         The backward pass runs from the forward pass's end to the last gradient; the optimizer
-        from the later of that and the step's last exchange to the next forward pass: the least
-        such gap, as what else a script does between steps (an evaluation, a checkpoint) only
-        adds to it."""
+        from the later of that and the step's last exchange to the next step's forward pass: the
+        least such gap, as what else a script does between steps (an evaluation, a checkpoint)
+        only adds to it."""
         forward, backward, optimizer, ready = [], [], [], {}
-        for k in steps:
+        for k, following in itertools.pairwise(steps):
             started, ended, marks = self.forward_start[k], self.forward_end[k], self.ready[k]
             last = max(marks.values(), default=ended)
             forward.append(ended - started)
             backward.append(last - ended)
-            if k + 1 < len(self.forward_start):
-                optimizer.append(max(0.0, self.forward_start[k + 1] - max(last, self.synced.get(k, last))))
+            optimizer.append(max(0.0, self.forward_start[following] - max(last, self.synced.get(k, last))))
             for index, mark in marks.items():
                 ready.setdefault(index, []).append(mark - ended)
         return (
@@ -247,7 +251,8 @@ class AutoState(SyncState):
         self.order: list[int] = []  # the candidate tried in each probe slot of STEPS_EACH steps
         self.probe_s: dict[int, list[float]] = {}  # candidate -> its counted steps' seconds
         # The least time from a probe step's last exchange to the next forward pass: the
-        # optimizer's, added to every candidate's measured step alike.
+        # optimizer's (and, under gradient accumulation, the micro-batches' before the one that
+        # syncs), added to every candidate's measured step alike.
         self.between_s = math.inf
         self.adopted_at: int | None = None  # the step the adopted plan first ran
         self._started = -1  # the newest step whose start was handled
@@ -273,7 +278,7 @@ class AutoState(SyncState):
         if self.done:
             return
         if self.probe_from is None and step == self.measure_from + MEASURED + 1:
-            self._make_candidates(range(self.measure_from + 2, step))
+            self._make_candidates(range(self.measure_from + 2, step + 1))  # this step's ends the last
         if self.probe_from is None or step < self.probe_from:
             return
         probed = step - 1 - self.probe_from  # the probe step that just ended
@@ -303,6 +308,9 @@ class AutoState(SyncState):
                 "probed_from_step": self.probe_from,
                 "order": list(self.order),
                 "adopted_at_step": self.adopted_at,
+                # A counted step's measured_s runs from its forward pass to its last exchange's
+                # end; with between_s (this rank's least gap to the next forward pass), a step.
+                "between_s": self.between_s if math.isfinite(self.between_s) else None,
                 "candidates": [
                     {
                         "label": p.meta.get("chosen"),
@@ -345,7 +353,8 @@ class AutoState(SyncState):
         # A checkpoint of a version without runoffs tried the candidates in their order.
         self.order = list(auto.get("order", range(len(self.candidates))))
         self.probe_s = {int(c): list(times) for c, times in auto["probe_s"].items()}
-        self.between_s = auto.get("between_s", math.inf)  # older checkpoints: measured afresh
+        # Older checkpoints timed whole steps, from one forward pass to the next: nothing is added.
+        self.between_s = auto.get("between_s", 0.0 if self.probe_s else math.inf)
         self.adopted_at = auto["adopted_at"]
         if self.probe_from is None:  # saved before the candidates were made: measure afresh
             self.measure_from = state["step"]
@@ -356,6 +365,7 @@ class AutoState(SyncState):
         super()._restore(state)  # the points of the plan in use, and the step
         self._carry = {int(p): t.clone() for p, t in auto["carry"].items()}
         self._started = -1
+        self._forward.clear()  # a step before the restore's is never counted as one after it
         if self.done or self.probe_from is not None:
             self.timer.stop_gradients()
 
@@ -437,6 +447,8 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if bucket.is_last() and not state.done and index is not None:  # when the step's exchange ended
 
         def synced(average: torch.Tensor) -> torch.Tensor:
+            if average.is_cuda:  # the callback runs once the work is queued, not done
+                torch.cuda.current_stream(average.device).synchronize()
             state.timer.synced[index] = time.perf_counter()
             return average
 

@@ -34,12 +34,14 @@ def test_the_timeline_is_the_median_over_steps_of_hand_fed_marks_and_the_least_g
         timer.forward_end.append(f1)
         timer.ready.append({0: r0, 1: r1})
         timer.synced[len(timer.forward_start) - 1] = synced
-    timer.forward_start.append(3.0)  # the step after the last measured one
-    forward_s, backward_s, optimizer_s, ready = timer.timeline([0, 1, 2])
+    timer.forward_start.append(2.5)  # an evaluation's forward pass: not a training step
+    timer.forward_start.append(3.0)  # the training step after the last measured one
+    forward_s, backward_s, optimizer_s, ready = timer.timeline([0, 1, 2, 4])
     assert forward_s == pytest.approx(statistics.median([0.1, 0.2, 0.1]))
     assert backward_s == pytest.approx(statistics.median([0.2, 0.3, 0.2]))
     # From the later of the last gradient and the exchange's end to the next forward pass: the
-    # least of the gaps (a longer one holds something else the script did: an evaluation).
+    # least of the gaps to the next training step's forward pass (a longer gap holds something
+    # else the script did: an evaluation).
     assert optimizer_s == pytest.approx(min([1.0 - 0.35, 2.0 - 1.6, 3.0 - 2.3]))
     assert ready[0] == pytest.approx(statistics.median([0.05, 0.05, 0.04]))
     assert ready[1] == pytest.approx(statistics.median([0.2, 0.3, 0.2]))
