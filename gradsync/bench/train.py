@@ -12,7 +12,7 @@ Example:
     >>> document = run(options, loopback(), progress=False)
     >>> print(report.table(document))
 
-At ~490 lines it is over the usual size because launching ranks (loopback or testbed), following
+At over 500 lines it is over the usual size because launching ranks (loopback or testbed), following
 their output and summarising the runs are one job that every rank-running benchmark shares.
 """
 
