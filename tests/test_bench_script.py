@@ -146,3 +146,21 @@ def test_options_are_checked() -> None:
         script.ScriptOptions(script="nope.py")
     with pytest.raises(ValueError, match="fewer than 5 steps"):
         script.ScriptOptions(steps=16)
+
+
+def test_the_commit_recorded_is_the_one_the_runs_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A commit made while the benchmark runs (its docs, say) is not the code it measured.
+    from gradsync.bench import report
+    from gradsync.bench.train import loopback
+
+    heads = iter(f"{n:040d}" for n in range(100))
+    monkeypatch.setattr(report, "provenance", lambda: {"commit": next(heads), "dirty": False})
+
+    def run_one(options: script.ScriptOptions, network: object, sync: str, out: object) -> dict:
+        report.provenance()  # a commit lands as each way runs
+        return {"step_s": [1.0] * options.steps_for(sync), "params": 1}
+
+    monkeypatch.setattr(script, "_run_one", run_one)
+    options = script.ScriptOptions(syncs=("ddp", "gradsync"), steps=20, repeats=1)
+    doc = script.run(options, loopback(), say=lambda _: None)
+    assert doc["meta"]["commit"] == f"{0:040d}"

@@ -97,6 +97,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
     cpu: dict[str, list[list[float]]] = {sync: [] for sync in options.syncs}
     plans: dict[str, list[str | None]] = {sync: [] for sync in options.syncs}
     params = None
+    made = report.provenance()  # the code every run is about to import, not what is there after
     with tempfile.TemporaryDirectory(prefix="gradsync-script-") as tmp:
         for round_ in range(options.repeats):
             for sync in options.syncs:
@@ -108,7 +109,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
                 steady = found["step_s"][options.steady_from_for(sync) :]
                 say(f"{sync} (round {round_ + 1}): median step {statistics.median(steady):.3f} s")
     meta = {
-        **report.provenance(),
+        **made,
         "options": asdict(options),
         "network": network.to_dict(),
         "params": params,
