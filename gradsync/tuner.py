@@ -21,9 +21,9 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
                       least time seen from an exchange's end to the next forward pass (the
                       optimizer's, alike for every candidate): what every rank does between steps,
                       an evaluation say, is not counted. Each candidate's first step is not
-                      counted (allocations). Where one candidate hands over to the next, what its error
-                      memories hold is carried into the next step's gradients: nothing the
-                      compression held back is lost.
+                      counted (allocations). Where one candidate hands over to the next, what
+                      its error memories hold back is carried into the next step's gradients:
+                      nothing the compression held back is lost.
   runoff              where the runner-up's time is within autoplan.RUNOFF_MARGIN of the fastest's,
                       the two run STEPS_EACH steps each again, in reverse order (two counted
                       steps are few on a busy host, and a run's first steps are its slowest).
@@ -443,8 +443,10 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if state.probe_from is None and state.step == state.measure_from + 1 and state.rank == 0:
         state.note_errors(bucket)
     future = hook(state, bucket)
-    index = state._forward.get(state.step - 1)  # the step's, counted as its last bucket went in
-    if bucket.is_last() and not state.done and index is not None:  # when the step's exchange ended
+    # Planning: when the step's exchange ended (its index: the step was counted as its last
+    # bucket went in). Nothing is added to the hook once a plan is adopted.
+    index = state._forward.get(state.step - 1) if bucket.is_last() and not state.done else None
+    if index is not None:
 
         def synced(average: torch.Tensor) -> torch.Tensor:
             if average.is_cuda:  # the callback runs once the work is queued, not done
