@@ -1,9 +1,10 @@
 """What each newer codec promises beyond the shared contract (test_compress_contract.py).
 
-DGC's update rule, warm-up schedule and memory; TernGrad's levels and second moment; natural
-compression's powers of two; 1-bit SGD's two means; int8's error bound; threshold's selection;
-the sign codecs' votes; the sparse index formats. The oracles are written apart from the kernels:
-torch.optim.SGD's momentum rule, reference loops, torch.topk, IEEE bit arithmetic, float64 sums.
+DGC's update rule, warm-up schedule and memory; PowerSGD's rank warm-up; TernGrad's levels and
+second moment; natural compression's powers of two; 1-bit SGD's two means; int8's error bound;
+threshold's selection; the sign codecs' votes; the sparse index formats. The oracles are written
+apart from the kernels: torch.optim.SGD's momentum rule, reference loops, torch.topk, IEEE bit
+arithmetic, float64 sums.
 """
 
 from __future__ import annotations
@@ -201,6 +202,87 @@ def test_topk_checkpoint_from_before_the_warmup_continues_at_its_ratio() -> None
     codec = compress.build("topk", ratio=0.01, seed=3)
     codec.load_state_dict({"generator": None})
     assert codec.payload_bytes(3000) == index_nbytes(3000, 30) + 4 * 30
+
+
+# -- PowerSGD: rank warm-up ----------------------------------------------------------------------
+
+# One weight of 256 x 192: every warm-up rank of a rank-2 codec (up to 32) still shrinks it.
+MATRIX = torch.Size((256, 192))
+
+
+def warming_powersgd(rank_warmup_steps: int, seed: int = 3) -> compress.Compressor:
+    codec = compress.build("powersgd", rank=2, rank_warmup_steps=rank_warmup_steps, seed=seed)
+    codec.use_shapes([MATRIX])
+    return codec
+
+
+def test_powersgd_warms_up_at_16_8_4_and_2_times_its_rank_over_100_compressed_steps_by_default() -> None:
+    codec = compress.build("powersgd", rank=4)
+    stages = [codec.rank_at(step) for step in (0, 24, 25, 49, 50, 74, 75, 99, 100, 10**6)]
+    assert stages == [64, 64, 32, 32, 16, 16, 8, 8, 4, 4]
+    no_warmup = compress.build("powersgd", rank=4, rank_warmup_steps=0)
+    assert no_warmup.rank_at(0) == 4
+
+
+def test_powersgd_sends_the_scheduled_rank_at_each_step_and_payload_bytes_predicts_it() -> None:
+    codec = warming_powersgd(rank_warmup_steps=8)
+    sent_ranks = []
+    for step in range(10):
+        expected_nbytes = codec.payload_bytes(MATRIX.numel())  # the next payload
+        (p, q), _ = codec.compress(randn(MATRIX.numel(), seed=step))
+        assert p.numel() % MATRIX[0] == 0 and q.numel() == p.numel() // MATRIX[0] * MATRIX[1]
+        assert expected_nbytes == p.nbytes + q.nbytes
+        sent_ranks.append(p.numel() // MATRIX[0])
+    assert sent_ranks == [32, 32, 16, 16, 8, 8, 4, 4, 2, 2]
+
+
+def test_powersgd_warm_start_keeps_the_leading_columns_of_q_as_the_rank_falls() -> None:
+    codec = warming_powersgd(rank_warmup_steps=8)
+    codec.compress(randn(MATRIX.numel(), seed=0))
+    (_, q), _ = codec.compress(randn(MATRIX.numel(), seed=1))  # the last step at rank 32
+    x = randn(MATRIX.numel(), seed=2)
+    (p, _), _ = codec.compress(x)  # rank 16: P = M Q, Q warm-started from the last one's
+    expected = x.view(MATRIX) @ q.view(MATRIX[1], 32)[:, :16]
+    torch.testing.assert_close(p.view(MATRIX[0], 16), expected, rtol=1e-5, atol=1e-5)
+    cold = compress.build("powersgd", rank=16, rank_warmup_steps=0, seed=3)
+    cold.use_shapes([MATRIX])
+    (p_cold, _), _ = cold.compress(x)
+    assert not torch.allclose(p_cold, p)  # a fresh draw would differ: the check has teeth
+
+
+def test_powersgd_restored_mid_warmup_continues_the_same_payload_sequence() -> None:
+    original = warming_powersgd(rank_warmup_steps=8)
+    for step in range(3):
+        original.compress(randn(MATRIX.numel(), seed=step))
+    restored = warming_powersgd(rank_warmup_steps=8, seed=99)  # the state decides
+    restored.load_state_dict(original.state_dict())
+    for step in range(3, 10):  # across the last stages and past the warm-up
+        x = randn(MATRIX.numel(), seed=step)
+        assert restored.payload_bytes(MATRIX.numel()) == original.payload_bytes(MATRIX.numel())
+        expected = [t.clone() for t in original.compress(x)[0]]
+        assert all(torch.equal(a, b) for a, b in zip(restored.compress(x)[0], expected, strict=True))
+
+
+def test_powersgd_undone_step_leaves_the_warmup_where_it_was() -> None:
+    codec = warming_powersgd(rank_warmup_steps=8)
+    codec.compress(randn(MATRIX.numel(), seed=0))
+    before = codec.payload_bytes(MATRIX.numel())
+    codec.compress(randn(MATRIX.numel(), seed=1))
+    assert codec.payload_bytes(MATRIX.numel()) != before  # the second step ended the first stage
+    codec.undo()
+    assert codec.payload_bytes(MATRIX.numel()) == before
+
+
+def test_powersgd_checkpoint_from_before_the_warmup_continues_at_its_rank() -> None:
+    # Such a checkpoint holds the generator and Q at `rank`: its run had no warm-up.
+    old = warming_powersgd(rank_warmup_steps=0)
+    old.compress(randn(MATRIX.numel(), seed=0))
+    state = {key: value for key, value in old.state_dict().items() if key not in ("steps", "q_rank")}
+    restored = warming_powersgd(rank_warmup_steps=100)
+    restored.load_state_dict(state)
+    x = randn(MATRIX.numel(), seed=1)
+    assert restored.payload_bytes(MATRIX.numel()) == old.payload_bytes(MATRIX.numel())
+    assert all(torch.equal(a, b) for a, b in zip(restored.compress(x)[0], old.compress(x)[0], strict=True))
 
 
 # -- sparse index formats ------------------------------------------------------------------------
