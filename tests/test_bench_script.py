@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from gradsync import compress
 from gradsync.bench import script
 
 STEPS = 60
@@ -83,21 +84,31 @@ def test_the_plans_auto_adopted_are_kept_round_by_round_and_named_under_the_tabl
     assert "adopted" not in script.table(script.summarize(raw, table_meta(options), options)).splitlines()[-1]
 
 
-def test_top_k_runs_longer_and_its_steady_steps_start_after_its_sparsity_warm_up() -> None:
+@pytest.mark.parametrize(
+    ("sync", "codec", "warmup_option"),
+    (
+        ("gradsync-topk", "topk", "sparsity_warmup_steps"),
+        ("gradsync-powersgd", "powersgd", "rank_warmup_steps"),
+    ),
+)
+def test_a_way_that_warms_up_runs_longer_and_its_steady_steps_start_after_its_warm_up(
+    sync: str, codec: str, warmup_option: str
+) -> None:
     options = script.ScriptOptions(steps=STEPS)
-    warmup = script.LONGER_WARMUP["gradsync-topk"]
-    assert options.steps_for("gradsync-topk") == STEPS + warmup and options.steps_for("ddp") == STEPS
+    warmup = script.LONGER_WARMUP[sync]
+    assert warmup == getattr(compress.build(codec), warmup_option)  # the codec's default warm-up
+    assert options.steps_for(sync) == STEPS + warmup and options.steps_for("ddp") == STEPS
     # Its warm-up steps (2 s) are in its first 60 steps but not in its steady median (0.4 s).
-    start = options.steady_from_for("gradsync-topk")
+    start = options.steady_from_for(sync)
     assert start == options.steady_from + warmup
-    topk = [2.0] * start + [0.4] * (STEPS + warmup - start)
-    raw = {"ddp": [[1.2] * STEPS] * 2, "gradsync-topk": [topk] * 2}
+    steps = [2.0] * start + [0.4] * (STEPS + warmup - start)
+    raw = {"ddp": [[1.2] * STEPS] * 2, sync: [steps] * 2}
     meta = table_meta(options)
     doc = script.summarize(raw, meta, options)
     runs = {r["sync"]: r for r in doc["runs"]}
-    assert runs["gradsync-topk"]["median_s"] == 0.4 and runs["gradsync-topk"]["first_median_s"] == 2.0
-    assert runs["gradsync-topk"]["vs_ddp"] == pytest.approx(3.0)
-    assert f"(gradsync-topk from step {start}, after its warm-up)" in script.table(doc)
+    assert runs[sync]["median_s"] == 0.4 and runs[sync]["first_median_s"] == 2.0
+    assert runs[sync]["vs_ddp"] == pytest.approx(3.0)
+    assert f"({sync} from step {start}, after its warm-up)" in script.table(doc)
 
 
 def test_slow_network_goals_are_judged_against_ddp_and_torchs_hooks() -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import tuner
+from ..compress.powersgd import RANK_WARMUP_STEPS
 from ..compress.sparse import SPARSITY_WARMUP_STEPS
 from ..config import SyncConfig
 from . import report
@@ -45,11 +46,13 @@ FIRST_STEPS = 60  # plan="auto" is judged on its median over the first 60 steps,
 # Steps plan="auto" spends measuring and trying candidates with the config the script writes.
 AUTO_PLANNING_STEPS = tuner.warmup_steps(SyncConfig(plan="auto"))
 # Ways whose first compressed steps differ by design, and by how many steps: top-k's sparsity
-# warm-up sends more over them; plan="auto" measures and tries candidates after the fp32 warm-up.
+# warm-up and PowerSGD's rank warm-up send more over them; plan="auto" measures and tries
+# candidates after the fp32 warm-up.
 # Such a way runs that many steps more, and its steady steps are counted from after the warm-up
 # (its first FIRST_STEPS steps still include it).
 LONGER_WARMUP = {
     "gradsync-topk": SPARSITY_WARMUP_STEPS,
+    "gradsync-powersgd": RANK_WARMUP_STEPS,
     "gradsync-auto": AUTO_PLANNING_STEPS - SyncConfig().warmup_steps,
 }
 
