@@ -108,7 +108,7 @@ class Strategy:
 
     def payload_bytes(self, numel: int) -> int:
         """Bytes one rank's payload for `numel` fp32 elements takes on the wire, once warmed up
-        (Compressor.warms_up): plans are made for the steps after a sparsifier's warm-up."""
+        (Compressor.warms_up): plans are made for the steps after a codec's warm-up."""
         if not self.compressed:
             return 4 * numel
         return codec(self.codec, self.args).payload_bytes(numel)

@@ -376,8 +376,9 @@ class AutoState(SyncState):
 
     def _compressed_before(self, step: int) -> int:
         # A candidate is timed as it will run once warmed up: a sparsifier's warm-up keeps a
-        # quarter of the entries at first, and timing that would rule it out. The adopted plan's codecs, made
-        # once planning is done, take up the warm-up where training stands.
+        # quarter of the entries at first, PowerSGD's 16 times the rank, and timing that would
+        # rule them out. The adopted plan's codecs, made once planning is done, take up the
+        # warm-up where training stands.
         return super()._compressed_before(step) if self.done else PAST_WARMUP
 
     def note_errors(self, bucket: dist.GradBucket) -> None:

@@ -250,6 +250,20 @@ def test_powersgd_warm_start_keeps_the_leading_columns_of_q_as_the_rank_falls() 
     assert not torch.allclose(p_cold, p)  # a fresh draw would differ: the check has teeth
 
 
+def test_powersgd_set_back_into_its_warmup_widens_q_keeping_its_columns() -> None:
+    # plan="auto" times a candidate past its warm-up, then the adopted codec takes the warm-up up
+    # where training stands (sync's _set_warmup): the rank rises from 2 to 32.
+    codec = warming_powersgd(rank_warmup_steps=8)
+    codec.steps = compress.PAST_WARMUP
+    (_, q), _ = codec.compress(randn(MATRIX.numel(), seed=0))
+    codec.steps = 0
+    x = (randn(256, 20, seed=1) @ randn(20, 192, seed=2)).reshape(-1)  # rank 20, under 32
+    (p, q_new), ctx = codec.compress(x)
+    torch.testing.assert_close(p.view(256, 32)[:, :2], x.view(MATRIX) @ q.view(192, 2), rtol=1e-5, atol=1e-5)
+    y = codec.decompress((p, q_new), ctx)
+    torch.testing.assert_close(y, x, rtol=0, atol=1e-4 * float(x.abs().max()))
+
+
 def test_powersgd_restored_mid_warmup_continues_the_same_payload_sequence() -> None:
     original = warming_powersgd(rank_warmup_steps=8)
     for step in range(3):

@@ -619,6 +619,25 @@ def test_powersgd_above_the_matrix_rank_still_reconstructs_it(rank: int) -> None
     torch.testing.assert_close(y, x, rtol=0, atol=1e-4 * float(x.abs().max()))
 
 
+def test_powersgd_keeps_a_direction_a_thousand_times_weaker_than_the_first() -> None:
+    u, v = randn(40, 2, seed=1), randn(30, 2, seed=2)
+    x = u[:, :1] @ v[:, :1].t() + 1e-3 * u[:, 1:] @ v[:, 1:].t()  # rank 2, a spread spectrum
+    codec = compress.build("powersgd", rank=2, rank_warmup_steps=0, seed=3)
+    codec.use_shapes([torch.Size((40, 30))])
+    y = round_trip(codec, x.reshape(-1))
+    weak = 1e-3 * float((u[:, 1:] @ v[:, 1:].t()).norm())
+    assert float((y.view(40, 30) - x).norm()) < 1e-2 * weak  # the weak part is there, not dropped
+
+
+def test_powersgd_after_a_zero_gradient_approximates_again() -> None:
+    # A zero step leaves a warm-start Q of zeros, so the next step's P = M Q is zero too.
+    codec = compress.build("powersgd", rank=2, rank_warmup_steps=0, seed=3)
+    codec.compress(torch.zeros(144))
+    x = (randn(12, 2, seed=1) @ randn(2, 12, seed=2)).reshape(-1)
+    round_trip(codec, x)
+    torch.testing.assert_close(round_trip(codec, x), x, rtol=0, atol=1e-4 * float(x.abs().max()))
+
+
 # A group as the hook hands it over: two weights of rank 2, a bias between them, and a matrix too
 # thin for a rank-2 pair to shrink (3 x 2: 2 * 2 * (3 + 2) > 6): PowerSGD sends those two exactly.
 SHAPES = [torch.Size((40, 24)), torch.Size((12,)), torch.Size((3, 2)), torch.Size((24, 4, 10))]
@@ -672,9 +691,13 @@ def test_powersgd_given_shapes_sends_factors_of_each_weight_and_the_rest_exactly
 @pytest.mark.parametrize("shaped", (False, True, "warming up"), ids=("near-square", "shaped", "warming-up"))
 def test_powersgd_rounds_over_simulated_ranks_decode_to_the_sum_of_inputs(shaped: bool | str) -> None:
     world_size = 3
-    if shaped:  # the sum of three ranks' rank-2 weights has rank 6
-        warmup = 4 if shaped == "warming up" else 0
-        codecs = [shaped_powersgd(rank=6, seed=9, rank_warmup_steps=warmup) for _ in range(world_size)]
+    if shaped == "warming up":  # ranks 96 (sent exactly), 48, 24, 12, then 6: Q cut at each
+        codecs = [compress.build("powersgd", rank=6, rank_warmup_steps=4, seed=9) for _ in range(world_size)]
+        for codec in codecs:
+            codec.use_shapes([torch.Size((256, 192))])
+        numel = 256 * 192
+    elif shaped:  # the sum of three ranks' rank-2 weights has rank 6
+        codecs = [shaped_powersgd(rank=6, seed=9) for _ in range(world_size)]
         numel = shaped_group(seed=0).numel()
     else:
         numel = 50
@@ -682,9 +705,11 @@ def test_powersgd_rounds_over_simulated_ranks_decode_to_the_sum_of_inputs(shaped
         codecs = [compress.build("powersgd", rank=min(rows, cols), seed=9) for _ in range(world_size)]
     # Enough steps to warm-start, and to cross every stage of a 4-step rank warm-up.
     for step in range(6 if shaped == "warming up" else 2):
-        xs = [
-            shaped_group(seed=10 * step + r) if shaped else randn(numel, seed=10 * step + r) for r in range(3)
-        ]
+        seeds = [10 * step + r for r in range(world_size)]
+        if shaped == "warming up":
+            xs = [(randn(256, 2, seed=s) @ randn(2, 192, seed=s + 5)).reshape(-1) for s in seeds]
+        else:
+            xs = [shaped_group(seed=s) if shaped else randn(numel, seed=s) for s in seeds]
         check_powersgd_rounds(codecs, xs, numel)
 
 

@@ -51,7 +51,8 @@ class Compressor:
                  each weight as its own matrix.
       warms_up   its payload follows a schedule over its compressed steps, which it counts in
                  `steps` (public and checkpointed): a sparsifier sends more entries over its
-                 first `sparsity_warmup_steps` (DGC's warm-up). The hook sets `steps` on a codec
+                 first `sparsity_warmup_steps` (DGC's warm-up), PowerSGD approximates at
+                 higher ranks over its first `rank_warmup_steps`. The hook sets `steps` on a codec
                  it makes mid-run (a new plan), so the schedule follows training, not the
                  codec's age; payload_bytes is the next payload's size.
       majority_vote  the payload is one sign bit per element, and ranks combine by majority

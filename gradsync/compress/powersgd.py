@@ -15,9 +15,8 @@ from .base import Payload, SeededCompressor, check_int
 # rank, a quarter of the warm-up each. The first steps' gradients change fastest, and what a
 # low rank holds back from them waits in the error memory while the weights move on. Under Adam
 # on gpt-tiny (200 steps, 4 ranks) rank 4 from its first compressed step ended 3.9% above DDP's
-# held-out loss; over this warm-up 0.7% above (8, 4, 2, 1 times: 1.2%; 50 steps of fp32 instead:
-# 1.1%). Under momentum SGD on mlp-wide, rank 4 went from 1.0% above to 1.8% below (loopback runs
-# of `gradsync bench train`, docs/compressors.md).
+# held-out loss; measured with this warm-up and beside the others tried in docs/compressors.md
+# ("Rank warm-up").
 RANK_WARMUP = (16, 8, 4, 2)
 RANK_WARMUP_STEPS = 100
 
@@ -218,11 +217,10 @@ class PowerSGD(SeededCompressor):
         `rank` over the warm-up, then `rank`."""
         return warmup_rank(self.rank, step, self.rank_warmup_steps)
 
-    def layout(self, numel: int, rank: int | None = None) -> Layout:
-        """How an input of `numel` elements is approximated at `rank` (the current step's by
-        default): by the shapes given, where they add up to numel, else as one near-square
-        matrix."""
-        rank = self.rank_at(self.steps) if rank is None else rank
+    def layout(self, numel: int) -> Layout:
+        """How an input of `numel` elements is approximated at the current step's rank: by the
+        shapes given, where they add up to numel, else as one near-square matrix."""
+        rank = self.rank_at(self.steps)
         layout = self._layout
         if layout is None or layout.numel != numel or layout.rank != rank:
             layout = self._layout = self._plan(numel, rank)
@@ -369,25 +367,13 @@ def _gather_exact(p: torch.Tensor, source: torch.Tensor, layout: Layout) -> None
         p[offset : offset + end - start].copy_(source[start:end])
 
 
-# A column of P left with less than this fraction of its length once the columns before it are
-# taken out holds little but rounding (float32 rounds at 2^-24 of a length): P has lower rank than
-# its width, as a gradient of fewer samples than the rank does (the warm-up's ranks too).
-DEPENDENT = 2.0**-8
-
-
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning those of p, by modified Gram-Schmidt (deterministic, so every
-    rank gets the same bits from the same input). A column that adds no direction to those
-    before it (DEPENDENT) becomes zero: normalized, its rounding would be a direction far from
-    orthogonal to them, and P^ P^T M no projection of M at all."""
-    p = p.clone()
-    lengths = p.norm(dim=0) * DEPENDENT
-    for i in range(p.shape[1]):
-        col = p[:, i]
-        length = col.norm()
-        # Branch-free, so that a GPU never waits on the host: 1 / length, or 0 for a dependent column.
-        col.mul_(torch.where(length > lengths[i], length, torch.inf).reciprocal())
-        rest = p[:, i + 1 :]
-        if rest.numel():
-            rest.sub_(col.unsqueeze(1) * (col @ rest))
-    return p
+    """Orthonormal columns spanning those of p (float32), by Householder QR, as PyTorch's hook
+    does above rank 2: the same bits on every rank from the same input. Where p has lower rank
+    than its width (a gradient of fewer samples than the rank, a rank above the matrix's) QR
+    still returns orthonormal columns, completing the span, so P^ P^T M stays a projection of M;
+    Gram-Schmidt normalized such a column's rounding into a direction far from orthogonal to the
+    others, and the decode was off by the input's own size. A zero column is completed too: after
+    a step whose gradient was zero (a Q of zeros, warm-starting the next), P = M Q is zero, and
+    the completed P^ still gives the next Q a start."""
+    return torch.linalg.qr(p).Q
