@@ -9,12 +9,11 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from .. import registry
 from .absmax import Int4, Int8
-from .base import Compressor, Payload
+from .base import PAST_WARMUP, Compressor, Payload
 from .cast import BF16, FP16
 from .dgc import DGC
 from .natural import Natural
@@ -77,11 +76,6 @@ def build(name: str, **params: Any) -> Compressor:
     parameters. Out-of-range value: ValueError with the value and the allowed range.
     """
     return registry.construct(REGISTRY, "compressor", name, params)
-
-
-# A count of compressed steps that every warm-up has ended by: where a codec made to run as after
-# its warm-up (plans, profiles, plan="auto"'s candidates, DiLoCo's outer gradients) stands.
-PAST_WARMUP = sys.maxsize
 
 
 def warmed_up(codec: Compressor) -> Compressor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -50,11 +51,11 @@ class Compressor:
                  (use_shapes), and it compresses each by its own shape: PowerSGD approximates
                  each weight as its own matrix.
       warms_up   its payload follows a schedule over its compressed steps, which it counts in
-                 `steps` (public and checkpointed): a sparsifier sends more entries over its
-                 first `sparsity_warmup_steps` (DGC's warm-up), PowerSGD approximates at
-                 higher ranks over its first `rank_warmup_steps`. The hook sets `steps` on a codec
-                 it makes mid-run (a new plan), so the schedule follows training, not the
-                 codec's age; payload_bytes is the next payload's size.
+                 `steps` (public and checkpointed; the WarmsUp mixin): a sparsifier sends more
+                 entries over its first `sparsity_warmup_steps` (DGC's warm-up), PowerSGD
+                 approximates at higher ranks over its first `rank_warmup_steps`. The hook sets
+                 `steps` on a codec it makes mid-run (a new plan), so the schedule follows
+                 training, not the codec's age; payload_bytes is the next payload's size.
       majority_vote  the payload is one sign bit per element, and ranks combine by majority
                  vote, sign(sum of signs), instead of a sum (signSGD, Signum). The result is a
                  unit step per element, not an estimate of the gradient, so error feedback
@@ -184,6 +185,46 @@ class SeededCompressor(Compressor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._generator = None
         self._pending_state = state.get("generator")
+
+
+# A count of compressed steps that every warm-up has ended by: where a codec made to run as after
+# its warm-up stands (plans, profiles, plan="auto"'s candidates, DiLoCo's outer gradients, and a
+# checkpoint from before a codec had a warm-up).
+PAST_WARMUP = sys.maxsize
+
+
+class WarmsUp:
+    """The step count of a codec whose payload follows a schedule over its compressed steps
+    (Compressor.warms_up): `steps`, public and checkpointed, taken back with a skipped step.
+
+    Mixed in before the codec's base class. The codec gives the schedule (TopK.density,
+    PowerSGD.rank_at), reads it at `steps` and calls count_step once per compressed step.
+    """
+
+    warms_up: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps = 0  # compressed steps so far: the position in the schedule
+        self._counted = False  # whether the last step's count may still be undone
+
+    def count_step(self) -> None:
+        self.steps += 1
+        self._counted = True
+
+    def undo(self) -> None:
+        super().undo()  # type: ignore[misc]
+        if self._counted:
+            self.steps -= 1
+            self._counted = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": self.steps}  # type: ignore[misc]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if k != "steps"})  # type: ignore[misc]
+        self.steps = state.get("steps", PAST_WARMUP)
+        self._counted = False
 
 
 class Undoable:

@@ -12,6 +12,7 @@ from .base import (
     Payload,
     SeededCompressor,
     Undoable,
+    WarmsUp,
     check_fraction,
     check_int,
     check_real,
@@ -28,7 +29,7 @@ from .sparse import (
 )
 
 
-class DGC(SeededCompressor):
+class DGC(WarmsUp, SeededCompressor):
     """Deep Gradient Compression (Lin et al., "Deep Gradient Compression: Reducing the
     Communication Bandwidth for Distributed Training", ICLR 2018).
 
@@ -57,7 +58,6 @@ class DGC(SeededCompressor):
 
     randomness = "local"
     owns_memory = True
-    warms_up = True
     sparse_rows = True
 
     def __init__(
@@ -83,7 +83,6 @@ class DGC(SeededCompressor):
         self.sparsity_warmup_steps = check_int(
             "sparsity_warmup_steps", sparsity_warmup_steps, 0, why="compressed steps of sparsity warm-up"
         )
-        self.steps = 0  # compressed steps so far: the position in the schedule
         self._u = Undoable("dgc momentum")
         self._v = Undoable("dgc accumulator")  # accumulated, not yet sent
 
@@ -94,7 +93,7 @@ class DGC(SeededCompressor):
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)
         k = count_for(flat.numel(), self.density(self.steps))
-        self.steps += 1
+        self.count_step()
         (u_old, u), (v_old, v) = self._u.update(flat), self._v.update(flat)
         torch.mul(u_old, self.momentum, out=u).add_(self._clipped(flat))
         torch.add(v_old, u, out=v)
@@ -114,7 +113,7 @@ class DGC(SeededCompressor):
     def undo(self) -> None:
         if self._u.undo():
             self._v.undo()
-            self.steps -= 1
+        super().undo()
 
     def payload_bytes(self, numel: int) -> int:
         """Bytes of the next payload (the schedule's density at the current step)."""
@@ -122,11 +121,10 @@ class DGC(SeededCompressor):
         return index_nbytes(numel, k) + 4 * k
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "steps": self.steps, "u": self._u.state(), "v": self._v.state()}
+        return {**super().state_dict(), "u": self._u.state(), "v": self._v.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.steps = state["steps"]
         self._u.load(state["u"])
         self._v.load(state["v"])
 

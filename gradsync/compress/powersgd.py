@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import Payload, SeededCompressor, check_int
+from .base import Payload, SeededCompressor, WarmsUp, check_int
 
 # The rank's warm-up, DGC's sparsity warm-up in PowerSGD's terms: over its first
 # `rank_warmup_steps` compressed steps the codec approximates at 16, 8, 4 and then 2 times its
@@ -56,7 +56,7 @@ class Layout(NamedTuple):
     padded: int
 
 
-class PowerSGD(SeededCompressor):
+class PowerSGD(WarmsUp, SeededCompressor):
     """Rank-r low-rank compression by power iteration (Vogels et al., "PowerSGD: Practical
     Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019).
 
@@ -86,7 +86,6 @@ class PowerSGD(SeededCompressor):
     needs_feedback = True
     rounds = 2
     uses_shapes = True
-    warms_up = True
 
     def __init__(
         self,
@@ -103,8 +102,6 @@ class PowerSGD(SeededCompressor):
         self.rank_warmup_steps = check_int(
             "rank_warmup_steps", rank_warmup_steps, 0, why="compressed steps of rank warm-up"
         )
-        self.steps = 0  # compressed steps so far: the position in the warm-up
-        self._undoable = False  # whether the last step's count may still be undone
         self._shapes: tuple[torch.Size, ...] | None = None
         self._layout: Layout | None = None
         self._q: torch.Tensor | None = None  # every matrix's Q, end to end
@@ -123,8 +120,7 @@ class PowerSGD(SeededCompressor):
 
     def begin(self, x: torch.Tensor) -> tuple[Payload, Any]:
         layout = self.layout(x.numel())
-        self.steps += 1  # this step's rank is in its layout, carried to the later rounds
-        self._undoable = True
+        self.count_step()  # this step's rank is in its layout, carried to the later rounds
         source = self._source(x, layout)
         qs = self._views(self._start_q(layout, x.device), layout, "cols")
         p = torch.empty(_factor_numel(layout, "rows") + _exact_numel(layout), device=x.device)
@@ -193,22 +189,15 @@ class PowerSGD(SeededCompressor):
         layout = self.layout(numel)
         return 4 * (_factor_numel(layout, "rows") + _factor_numel(layout, "cols") + _exact_numel(layout))
 
-    def undo(self) -> None:
-        if self._undoable:
-            self.steps -= 1
-            self._undoable = False
-
     def state_dict(self) -> dict[str, Any]:
         q = None if self._q is None else self._q.clone()
-        return {**super().state_dict(), "q": q, "q_rank": self._q_rank, "steps": self.steps}
+        return {**super().state_dict(), "q": q, "q_rank": self._q_rank}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._q = state.get("q")
         # A checkpoint from before the warm-up existed ran at `rank` throughout.
         self._q_rank = state.get("q_rank", self.rank)
-        self.steps = state.get("steps", self.rank_warmup_steps)
-        self._undoable = False
 
     # -- the layout --------------------------------------------------------------------------------
 

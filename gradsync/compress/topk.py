@@ -7,11 +7,11 @@ from typing import Any
 import torch
 
 from ..wire import index_nbytes
-from .base import Payload, SeededCompressor, check_choice, check_fraction, check_int, count_for
+from .base import Payload, SeededCompressor, WarmsUp, check_choice, check_fraction, check_int, count_for
 from .sparse import SPARSITY_WARMUP_STEPS, Sparsifier, exact_topk, sampled_topk, warmup_density
 
 
-class TopK(Sparsifier, SeededCompressor):
+class TopK(WarmsUp, Sparsifier, SeededCompressor):
     """Keeps the k entries of largest magnitude (Aji & Heafield, "Sparse Communication for
     Distributed Gradient Descent", EMNLP 2017; Stich et al., "Sparsified SGD with Memory",
     NeurIPS 2018).
@@ -41,7 +41,6 @@ class TopK(Sparsifier, SeededCompressor):
 
     randomness = "local"
     needs_feedback = True
-    warms_up = True
 
     def __init__(
         self,
@@ -58,8 +57,6 @@ class TopK(Sparsifier, SeededCompressor):
         self.sparsity_warmup_steps = check_int(
             "sparsity_warmup_steps", sparsity_warmup_steps, 0, why="compressed steps of sparsity warm-up"
         )
-        self.steps = 0  # compressed steps so far: the position in the warm-up
-        self._undoable = False  # whether the last compress may still be undone
 
     def density(self, step: int) -> float:
         """Fraction of entries sent at compressed step `step` (0-based)."""
@@ -67,8 +64,7 @@ class TopK(Sparsifier, SeededCompressor):
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         compressed = super().compress(x)
-        self.steps += 1
-        self._undoable = True
+        self.count_step()
         return compressed
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
@@ -77,21 +73,7 @@ class TopK(Sparsifier, SeededCompressor):
             return sampled_topk(flat, k, self.sample_ratio, self.generator(flat.device))
         return exact_topk(flat, k)
 
-    def undo(self) -> None:
-        if self._undoable:
-            self.steps -= 1
-            self._undoable = False
-
     def payload_bytes(self, numel: int) -> int:
         """Bytes of the next payload (the warm-up's density at the current step)."""
         k = count_for(numel, self.density(self.steps))
         return index_nbytes(numel, k) + 4 * k
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "steps": self.steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        # A checkpoint from before the warm-up existed was sparsified at `ratio` throughout.
-        self.steps = state.get("steps", self.sparsity_warmup_steps)
-        self._undoable = False
