@@ -79,6 +79,19 @@ class Exchanged:
     # With start's `corrected`, the codec already left x - local() in x: x is returned as it is.
     subtract_local: RemoveLocal | None = None
 
+    @classmethod
+    def skipped(
+        cls,
+        collective: str,
+        payload_nbytes: int,
+        sent_nbytes: int,
+        seconds: dict[str, float],
+        scheme: str | None = None,
+    ) -> Exchanged:
+        """The outcome where some rank's input or a sum was not finite: no total, and no local
+        part to feed back (the step is skipped on every rank alike)."""
+        return cls(collective, scheme, None, _not_finite, False, payload_nbytes, sent_nbytes, seconds)
+
     def remove_local_(self, t: torch.Tensor) -> torch.Tensor:
         """t -= local(), in place, the same bits as t - local(); returns t.
 
@@ -279,7 +292,7 @@ def _allreduce(
         clock.lap("communicate")
         body = summed[:-1] if flagged else summed
         if guard and ((flagged and summed[-1] != 0) or not _all_finite((body,))):
-            return Exchanged("allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
+            return Exchanged.skipped("allreduce", payload_nbytes, sent, clock.seconds)
         summed_payload = split_frame(body, payload)
         if out is None:
             total = codec.decompress(summed_payload, ctx)
@@ -315,7 +328,7 @@ def _vote(codec: Compressor, x: torch.Tensor, comm: Comm, finite: bool) -> Futur
     def done(summed: torch.Tensor) -> Exchanged:
         clock.lap("communicate")
         if summed[-1] != 0:
-            return Exchanged("allreduce", None, None, _not_finite, False, words.nbytes, sent, clock.seconds)
+            return Exchanged.skipped("allreduce", words.nbytes, sent, clock.seconds)
         votes_for_plus = unpack_fields(summed[:-1], bits, numel)
         total = votes_for_plus.mul_(2).sub_(comm.world_size).sign_().to(x.dtype).view(x.shape)
         clock.lap("decompress")
@@ -356,7 +369,7 @@ def _allgather(
         payloads = [from_bytes(f, layout) for f, layout in zip(frames, layouts, strict=True)]
         flags = [f[sum(layout_nbytes(layout))] for f, layout in zip(frames, layouts, strict=True)]
         if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in payloads)):
-            return Exchanged("allgather", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
+            return Exchanged.skipped("allgather", payload_nbytes, sent, clock.seconds)
         total = torch.empty_like(x) if out is None else out
         codec.sum_decoded_(total, payloads, ctx)  # rank order: the same sum on every rank
         clock.lap("decompress")
@@ -389,17 +402,9 @@ def _sparse(
     clock.lap("communicate")
     payload_nbytes = encoded.nbytes + values.nbytes
     if not result.finite:
-        failed = Exchanged(
-            "allgather",
-            result.scheme,
-            None,
-            _not_finite,
-            False,
-            payload_nbytes,
-            result.sent_nbytes,
-            clock.seconds,
+        return completed(
+            Exchanged.skipped("allgather", payload_nbytes, result.sent_nbytes, clock.seconds, result.scheme)
         )
-        return completed(failed)
     total = result.total.into(torch.empty_like(x) if out is None else out)
     clock.lap("decompress")
     return completed(
@@ -434,10 +439,7 @@ def _rounds(
         summed = comm.allreduce(frame).wait()
         clock.lap("communicate")
         if not _all_finite((summed,)):
-            failed = Exchanged(
-                "allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds
-            )
-            return completed(failed)
+            return completed(Exchanged.skipped("allreduce", payload_nbytes, sent, clock.seconds))
         payload, ctx = codec.next_round(split_frame(summed, payload), ctx)  # type: ignore[attr-defined]
     clock.lap("compress")
     frame = torch.cat([t.reshape(-1) for t in payload])
@@ -447,7 +449,7 @@ def _rounds(
     def done(summed: torch.Tensor) -> Exchanged:
         clock.lap("communicate")
         if not _all_finite((summed,)):
-            return Exchanged("allreduce", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
+            return Exchanged.skipped("allreduce", payload_nbytes, sent, clock.seconds)
         total, local, subtract = codec.finish(split_frame(summed, payload), ctx, out)  # type: ignore[attr-defined]
         clock.lap("decompress")
         return Exchanged("allreduce", None, total, local, True, payload_nbytes, sent, clock.seconds, subtract)
@@ -518,7 +520,7 @@ def _two_shot(
         sums = [from_bytes(f, layout) for f, layout in zip(gathered, layouts, strict=True)]
         flags = [f[size] for f, size in zip(gathered, nbytes, strict=True)]
         if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in sums)):
-            return Exchanged("two-shot", None, None, _not_finite, False, payload_nbytes, sent, clock.seconds)
+            return Exchanged.skipped("two-shot", payload_nbytes, sent, clock.seconds)
         if residual is not None:
             shard_error.copy_(residual)  # type: ignore[union-attr]
         total = torch.empty_like(x) if out is None else out
@@ -566,7 +568,7 @@ def reduce_scatter(
     if agree:  # an owner's payload may overflow (fp16) where every input was finite
         ok = bool(comm.allreduce(torch.tensor([float(ok)], device=x.device)).wait() == n)
     if not ok:
-        return Exchanged("reduce-scatter", None, None, _not_finite, False, nbytes, sent, clock.seconds)
+        return Exchanged.skipped("reduce-scatter", nbytes, sent, clock.seconds)
     out.copy_(summed.div_(n) if average else summed)
     local, subtract = _own_decoded(codec, frames, layouts, ctxs, bounds, x)
     return Exchanged("reduce-scatter", None, out, local, True, nbytes, sent, clock.seconds, subtract)
