@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import fidelity, kernels, planning, report, script, simulator, sparse
+from . import fidelity, kernels, planning, report, script, seeds, simulator, sparse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "script": script.table,
     "train": report.table,
+    "seeds": seeds.table,
     "sparse": sparse.table,
     "sim": simulator.table,
     "fidelity": fidelity.table,

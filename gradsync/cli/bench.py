@@ -1,6 +1,6 @@
 """`gradsync bench ...`: one parser and one runner per benchmark.
 
-Over 400 lines because it holds one short parser + runner pair for each of nine benchmarks, listed
+Over 400 lines because it holds one short parser + runner pair for each of ten benchmarks, listed
 in one table (BENCHES) at the bottom; splitting the pairs into files would scatter that table.
 """
 
@@ -404,6 +404,47 @@ def key_value(item: str) -> tuple[str, Any]:
     return key, parse_value(value)
 
 
+def _add_bench_seeds(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    seeds = benches.add_parser(
+        "seeds",
+        help="gather `bench train` runs made with other --seeds: each strategy's loss against DDP's by seed",
+        description="Reads the results.json of `gradsync bench train` runs that differ only in --seed and "
+        "writes, per strategy run under every seed, its final loss against DDP's of the same seed, the "
+        "mean and range over seeds, and its time-to-target speed-up per seed (results.json, results.md).",
+    )
+    seeds.add_argument("results", nargs="+", help="results.json files of bench train, one per seed")
+    seeds.add_argument("--out", default="runs/bench-seeds", help="output folder (default %(default)s)")
+    return seeds
+
+
+def _bench_seeds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import json
+    from pathlib import Path
+
+    from ..bench import report, seeds
+
+    documents = []
+    for path in args.results:
+        try:
+            document = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            parser.error(f"{path}: {err}")
+        if not isinstance(document, dict) or "seed" not in document.get("meta", {}).get("options", {}):
+            parser.error(
+                f"{path} is not the results.json of a `gradsync bench train` run (no meta.options.seed)"
+            )
+        documents.append(document)
+    try:
+        document = seeds.gather(documents)
+    except ValueError as err:
+        parser.error(str(err))
+    document["meta"] = {**report.provenance(), **document["meta"]}  # the gathering's commit and command
+    print(seeds.table(document), flush=True)
+    for path in report.write_results(document, args.out, seeds.table, lambda document, out: []):
+        _say(f"wrote {path}")
+    return 0
+
+
 def _add_bench_tables(benches: argparse._SubParsersAction) -> argparse.ArgumentParser:
     tables = benches.add_parser(
         "tables",
@@ -442,5 +483,6 @@ BENCHES = {
     "fidelity": (_add_bench_fidelity, _bench_fidelity),
     "plan": (_add_bench_plan, _bench_plan),
     "script": (_add_bench_script, _bench_script),
+    "seeds": (_add_bench_seeds, _bench_seeds),
     "tables": (_add_bench_tables, _bench_tables),
 }
