@@ -197,6 +197,37 @@ def test_an_undone_step_leaves_the_warmup_where_it_was(name: str) -> None:
     assert codec.compress(randn(numel, seed=1))[0][1].numel() == count_for(numel, codec.density(1))
 
 
+WARMING_UP = {  # every codec that warms up (Compressor.warms_up), with a short warm-up
+    "topk": {"ratio": 0.01, "sparsity_warmup_steps": 8},
+    "dgc": {"ratio": 0.01, "sparsity_warmup_steps": 8},
+    "powersgd": {"rank": 1, "rank_warmup_steps": 8},
+}
+
+
+def test_every_codec_that_warms_up_is_listed_here() -> None:
+    assert sorted(WARMING_UP) == sorted(n for n in compress.names() if compress.lookup(n).warms_up)
+
+
+@pytest.mark.parametrize("name", sorted(WARMING_UP))
+def test_undo_takes_back_one_compressed_step_once_and_none_after_a_restore(name: str) -> None:
+    # The hook undoes a step found non-finite on some rank; a second undo, or one after a restore
+    # or after the hook set the count (a codec made mid-run), has no step of its own to take back.
+    codec = compress.build(name, seed=3, **WARMING_UP[name])
+    for step in range(3):
+        codec.compress(randn(3000, seed=step))
+    codec.undo()
+    codec.undo()
+    assert codec.steps == 2
+    state = codec.state_dict()
+    restored = compress.build(name, seed=3, **WARMING_UP[name])
+    restored.load_state_dict(state)
+    restored.undo()
+    assert restored.steps == 2
+    restored.steps = 5
+    restored.undo()
+    assert restored.steps == 5
+
+
 def test_topk_checkpoint_from_before_the_warmup_continues_at_its_ratio() -> None:
     # Such a checkpoint holds only the generator: its run was sparsified at `ratio` throughout.
     codec = compress.build("topk", ratio=0.01, seed=3)

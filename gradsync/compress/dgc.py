@@ -7,29 +7,20 @@ from typing import Any
 
 import torch
 
-from ..wire import index_nbytes
 from .base import (
     Payload,
     SeededCompressor,
     Undoable,
-    WarmsUp,
     check_fraction,
     check_int,
     check_real,
-    count_for,
     shape_ctx,
 )
 from .scratch import scratch
-from .sparse import (
-    add_sparse_,
-    decode_sparse,
-    sampled_topk,
-    sparse_payload,
-    warmup_density,
-)
+from .sparse import SparsityWarmup, add_sparse_, decode_sparse, sampled_topk, sparse_payload
 
 
-class DGC(WarmsUp, SeededCompressor):
+class DGC(SparsityWarmup, SeededCompressor):
     """Deep Gradient Compression (Lin et al., "Deep Gradient Compression: Reducing the
     Communication Bandwidth for Distributed Training", ICLR 2018).
 
@@ -86,13 +77,9 @@ class DGC(WarmsUp, SeededCompressor):
         self._u = Undoable("dgc momentum")
         self._v = Undoable("dgc accumulator")  # accumulated, not yet sent
 
-    def density(self, step: int) -> float:
-        """Fraction of entries sent at compressed step `step` (0-based)."""
-        return warmup_density(self.ratio, step, self.sparsity_warmup_steps)
-
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)
-        k = count_for(flat.numel(), self.density(self.steps))
+        k = self.count(flat.numel())
         self.count_step()
         (u_old, u), (v_old, v) = self._u.update(flat), self._v.update(flat)
         torch.mul(u_old, self.momentum, out=u).add_(self._clipped(flat))
@@ -114,11 +101,6 @@ class DGC(WarmsUp, SeededCompressor):
         if self._u.undo():
             self._v.undo()
         super().undo()
-
-    def payload_bytes(self, numel: int) -> int:
-        """Bytes of the next payload (the schedule's density at the current step)."""
-        k = count_for(numel, self.density(self.steps))
-        return index_nbytes(numel, k) + 4 * k
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "u": self._u.state(), "v": self._v.state()}

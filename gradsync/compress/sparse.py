@@ -19,9 +19,10 @@ from ..wire import (
     decode_indices,
     encode_indices,
     index_format,
+    index_nbytes,
 )
 from . import native
-from .base import Compressor, Payload, shape_ctx
+from .base import Compressor, Payload, WarmsUp, count_for, shape_ctx
 from .scratch import magnitude, scratch
 
 # DGC's sparsity warm-up (Lin et al. 2018, section 3.4): the density falls exponentially, 25% ->
@@ -39,6 +40,27 @@ def warmup_density(ratio: float, step: int, warmup_steps: int) -> float:
     if step < warmup_steps:
         return max(ratio, 1 - WARMUP_SPARSITY[step * len(WARMUP_SPARSITY) // warmup_steps])
     return ratio
+
+
+class SparsityWarmup(WarmsUp):
+    """A sparsifier's warm-up (top-k's, DGC's): at its compressed step `step` it sends
+    `density(step)` of the entries, and `ratio` once its `sparsity_warmup_steps` are over."""
+
+    ratio: float
+    sparsity_warmup_steps: int
+
+    def density(self, step: int) -> float:
+        """Fraction of entries sent at compressed step `step` (0-based)."""
+        return warmup_density(self.ratio, step, self.sparsity_warmup_steps)
+
+    def count(self, numel: int) -> int:
+        """Entries the next payload sends of a tensor of `numel`."""
+        return count_for(numel, self.density(self.steps))
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of the next payload (the warm-up's density at the current step)."""
+        k = self.count(numel)
+        return index_nbytes(numel, k) + 4 * k
 
 
 # From this density on, the sampled threshold's ~1.5k candidates are too many to rank cheaply

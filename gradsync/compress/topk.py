@@ -6,12 +6,11 @@ from typing import Any
 
 import torch
 
-from ..wire import index_nbytes
-from .base import Payload, SeededCompressor, WarmsUp, check_choice, check_fraction, check_int, count_for
-from .sparse import SPARSITY_WARMUP_STEPS, Sparsifier, exact_topk, sampled_topk, warmup_density
+from .base import Payload, SeededCompressor, check_choice, check_fraction, check_int
+from .sparse import SPARSITY_WARMUP_STEPS, Sparsifier, SparsityWarmup, exact_topk, sampled_topk
 
 
-class TopK(WarmsUp, Sparsifier, SeededCompressor):
+class TopK(SparsityWarmup, Sparsifier, SeededCompressor):
     """Keeps the k entries of largest magnitude (Aji & Heafield, "Sparse Communication for
     Distributed Gradient Descent", EMNLP 2017; Stich et al., "Sparsified SGD with Memory",
     NeurIPS 2018).
@@ -58,22 +57,13 @@ class TopK(WarmsUp, Sparsifier, SeededCompressor):
             "sparsity_warmup_steps", sparsity_warmup_steps, 0, why="compressed steps of sparsity warm-up"
         )
 
-    def density(self, step: int) -> float:
-        """Fraction of entries sent at compressed step `step` (0-based)."""
-        return warmup_density(self.ratio, step, self.sparsity_warmup_steps)
-
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         compressed = super().compress(x)
         self.count_step()
         return compressed
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
-        k = count_for(flat.numel(), self.density(self.steps))
+        k = self.count(flat.numel())
         if self.mode == "sampled":
             return sampled_topk(flat, k, self.sample_ratio, self.generator(flat.device))
         return exact_topk(flat, k)
-
-    def payload_bytes(self, numel: int) -> int:
-        """Bytes of the next payload (the warm-up's density at the current step)."""
-        k = count_for(numel, self.density(self.steps))
-        return index_nbytes(numel, k) + 4 * k
