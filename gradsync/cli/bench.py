@@ -429,10 +429,10 @@ def _bench_seeds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             document = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
             parser.error(f"{path}: {err}")
-        if not isinstance(document, dict) or "seed" not in document.get("meta", {}).get("options", {}):
-            parser.error(
-                f"{path} is not the results.json of a `gradsync bench train` run (no meta.options.seed)"
-            )
+        try:
+            seeds.check(document)
+        except ValueError as err:
+            parser.error(f"{path}: {err}")
         documents.append(document)
     try:
         document = seeds.gather(documents)

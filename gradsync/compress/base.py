@@ -197,7 +197,7 @@ class WarmsUp:
     """The step count of a codec whose payload follows a schedule over its compressed steps
     (Compressor.warms_up): `steps`, public and checkpointed, taken back with a skipped step.
 
-    Mixed in before the codec's base class. The codec gives the schedule (TopK.density,
+    Mixed in before the codec's base class. The codec gives the schedule (SparsityWarmup.density,
     PowerSGD.rank_at), reads it at `steps` and calls count_step once per compressed step.
     """
 

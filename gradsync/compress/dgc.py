@@ -79,7 +79,7 @@ class DGC(SparsityWarmup, SeededCompressor):
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         flat = x.reshape(-1)
-        k = self.count(flat.numel())
+        k = self.entries(flat.numel())
         self.count_step()
         (u_old, u), (v_old, v) = self._u.update(flat), self._v.update(flat)
         torch.mul(u_old, self.momentum, out=u).add_(self._clipped(flat))

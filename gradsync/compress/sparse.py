@@ -53,13 +53,13 @@ class SparsityWarmup(WarmsUp):
         """Fraction of entries sent at compressed step `step` (0-based)."""
         return warmup_density(self.ratio, step, self.sparsity_warmup_steps)
 
-    def count(self, numel: int) -> int:
+    def entries(self, numel: int) -> int:
         """Entries the next payload sends of a tensor of `numel`."""
         return count_for(numel, self.density(self.steps))
 
     def payload_bytes(self, numel: int) -> int:
         """Bytes of the next payload (the warm-up's density at the current step)."""
-        k = self.count(numel)
+        k = self.entries(numel)
         return index_nbytes(numel, k) + 4 * k
 
 

@@ -63,7 +63,7 @@ class TopK(SparsityWarmup, Sparsifier, SeededCompressor):
         return compressed
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
-        k = self.count(flat.numel())
+        k = self.entries(flat.numel())
         if self.mode == "sampled":
             return sampled_topk(flat, k, self.sample_ratio, self.generator(flat.device))
         return exact_topk(flat, k)
