@@ -35,17 +35,17 @@ bench-train: $(STAMP)
 		--steps 400 --eval-every 25 --out docs/bench-train-mlp-wide
 
 # The same for gpt-tiny (19.1M parameters, AdamW): the default, the quality-preserving int8 and
-# PowerSGD rank 4, top-k with plain error feedback (momentum correction is for momentum SGD) and
-# plan="auto", against DDP and torch's fp16 and PowerSGD (rank 4) hooks. About 45 minutes.
+# PowerSGD ranks 4 and 8, top-k with plain error feedback (momentum correction is for momentum SGD)
+# and plan="auto", against DDP and torch's fp16 and PowerSGD (rank 4) hooks. About 40 minutes.
 bench-train-gpt-tiny: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload gpt-tiny --world 4 --testbed \
-		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,powersgd:rank=4,topk,auto,auto:compressor=topk \
+		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,powersgd:rank=4,powersgd:rank=8,topk,auto,auto:compressor=topk \
 		--steps 200 --eval-every 25 --out docs/bench-train-gpt-tiny
 
 # gpt-tiny's quality-preserving configurations under two more seeds (1 and 2; seed 0 is the run
 # above), gathered with seed 0's: a step-200 comparison moves with the seed by more than one run's
-# ± says (benchmarks.md). About 30 minutes.
-SEEDS_STRATEGIES = ddp,int4,int8,powersgd:rank=4
+# ± says (benchmarks.md). About 40 minutes.
+SEEDS_STRATEGIES = ddp,int4,int8,powersgd:rank=4,powersgd:rank=8
 bench-train-gpt-tiny-seeds: $(STAMP)
 	for seed in 1 2; do \
 		$(BIN)/python -m gradsync bench train --workload gpt-tiny --world 4 --testbed --seed $$seed \
