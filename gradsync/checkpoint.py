@@ -59,9 +59,15 @@ def problems(
             "would not fit; load a checkpoint of this model, or register afresh"
         )
     if state["config"] != config:
+        saved = state["config"]
+        differing = "; ".join(
+            f"{key} {saved.get(key)!r} there, {config.get(key)!r} here"
+            for key in sorted({*saved, *config})
+            if saved.get(key) != config.get(key)
+        )
         found.append(
-            f"it was made with SyncConfig {state['config']}, but this run uses {dict(config)}: "
-            "resume with the same SyncConfig"
+            f"it was made with another SyncConfig ({differing}): resume with the same SyncConfig "
+            f"(the saved one: {saved})"
         )
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -107,7 +113,7 @@ def _own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str
             "on every rank (gradsync.AllRanks(state) gives a framework that saves from rank 0 that)"
         ]
     try:
-        own = torch.load(io.BytesIO(state[part_key(rank)]), weights_only=True)
+        own = torch.load(io.BytesIO(state[part_key(rank)]), map_location=onto_this_rank, weights_only=True)
     except Exception as error:  # damaged bytes: refused like any other bad state, on every rank
         return None, [f"its entry for rank {rank} cannot be read ({type(error).__name__}: {error})"]
     if not isinstance(own, Mapping):
@@ -116,6 +122,17 @@ def _own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str
     if missing:
         return None, [f"it lacks {missing}: not a whole SyncState.state_dict()"]
     return own, []
+
+
+def onto_this_rank(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+    """torch.load's map_location for a rank's own state: what was saved on a GPU goes to this
+    process's current GPU, whichever GPU saved it (rank 5 saved on GPU 5 of an 8-GPU node resumes
+    on GPU 1 of a 4-GPU one, where GPU 5 is absent or another rank's), or stays on the CPU where
+    this process has none; what was saved on the CPU stays there. `storage` is torch's first,
+    CPU-side deserialization of it."""
+    if location.startswith("cuda") and torch.cuda.is_available():
+        return storage.cuda(torch.cuda.current_device())
+    return storage
 
 
 def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -703,8 +703,9 @@ class SyncState:
         return checkpoint.problems(state, comm.world_size, self.config.to_dict(), self._shapes_digest)
 
     def _restore(self, state: Mapping[str, Any]) -> None:
-        self.step = state["step"]
-        self.points = {}
+        # The points are built before anything is assigned: a codec refusing its saved state
+        # leaves this state as it was.
+        points = {}
         for index, saved in state["points"].items():
             # Checkpoints before shaped codecs name no params: their codecs saw flat groups.
             params = saved.get("params")
@@ -714,7 +715,8 @@ class SyncState:
             point.shard_error = saved.get("shard_error")  # absent from checkpoints before two-shot
             rates = saved.get("rates")  # absent from checkpoints before memories followed the rate
             point.rates = None if rates is None else tuple(rates)
-            self.points[int(index)] = point
+            points[int(index)] = point
+        self.step, self.points = state["step"], points
         self.layout = {int(index): tuple(params) for index, params in state["layout"].items()}
         self.sparse.load_state_dict(state["sparse"])
         self._layout_checked = set()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradsync import SyncConfig, SyncState, compress, feedback
+from gradsync import SyncConfig, SyncState, checkpoint, compress, feedback
 from gradsync.comm import LocalComm
 from gradsync.compress import Compressor
 
@@ -342,6 +342,47 @@ def test_a_restored_state_continues_with_bit_identical_outputs(name: str, form: 
     assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
 
 
+def test_a_state_saved_on_a_gpu_resumes_on_this_ranks_own_device() -> None:
+    # Rank k's error memories were saved on the GPU it had then (here tagged "cuda:5" as torch.save
+    # would tag them on GPU 5); they load onto this process's own device, the CPU here, where
+    # torch.load alone refuses a GPU tensor (and on a GPU machine would put it on GPU 5, another
+    # rank's or none), and training goes on as it would have.
+    saving = False
+
+    def on_gpu_5(storage: Any) -> str | None:
+        return "cuda:5" if saving else None
+
+    torch.serialization.register_package(0, on_gpu_5, lambda storage, location: None)
+    gs = gradients(WARMUP + 6)
+    state = new_state(error_feedback="ef")  # int4: error memories, a two-shot shard error
+    run_steps(state, gs[: WARMUP + 3])
+    saving = True
+    try:
+        saved = state.state_dict()
+    finally:
+        saving = False
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(io.BytesIO(saved["rank 0"]), weights_only=True)
+    expected = run_steps(state, gs[WARMUP + 3 :])
+    restored = new_state(error_feedback="ef")
+    restored.load_state_dict(saved)
+    outs = run_steps(restored, gs[WARMUP + 3 :])
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
+
+
+def test_a_restore_that_fails_in_a_codec_leaves_the_state_as_it_was() -> None:
+    state = new_state(compressor="dgc")
+    run_steps(state, gradients(WARMUP + 2))
+    own = torch.load(io.BytesIO(state.state_dict()["rank 0"]), weights_only=True)
+    del own["points"][1]["codec"]["v"]  # the second group's codec cannot take its state
+    damaged = checkpoint.pack(own, 0)
+    before = (state.step, dict(state.points), state.state_dict())
+    with pytest.raises(KeyError, match="v"):
+        state.load_state_dict(damaged)
+    assert (state.step, state.points) == before[:2]
+    assert state.state_dict() == before[2]
+
+
 def test_the_state_dict_has_one_shape_from_creation_on() -> None:
     # torch.distributed.checkpoint loads into the keys of a fresh state's state_dict(): the
     # keys must not grow as training adds error memories.
@@ -377,7 +418,9 @@ def test_loading_a_state_made_with_another_config_raises_value_error(change: dic
     state = new_state(compressor="topk", compressor_args={"ratio": 0.01})
     run_steps(state, gradients(WARMUP + 1))
     other = new_state(**{"compressor": "topk", "compressor_args": {"ratio": 0.01}, **change})
-    with pytest.raises(ValueError, match="same SyncConfig"):
+    field = next(iter(change))
+    named = rf"another SyncConfig \({field} .* there, .* here\): resume with the same"
+    with pytest.raises(ValueError, match=named):
         other.load_state_dict(state.state_dict())
 
 
