@@ -221,6 +221,11 @@ class DiLoCo:
         """Restore what state_dict() saved. A collective: call it on every rank. Refused on every
         rank alike where a state is of other options, another model or another step than the other
         ranks' (the error memories are checked by SyncState.load_state_dict)."""
+        # Exchanges still in flight (issued without draining) may be issuing collectives from the
+        # lane's thread: they complete before this rank issues its own below, or the ranks' orders
+        # of collectives could differ (an in-process rollback). Their results are kept, not applied.
+        for pending in self._pending.values():
+            pending.average.wait()
         try:  # a rank must not leave before the collective below, or the others wait for it
             problems = self._state_problems(state)
         except (AttributeError, KeyError, TypeError) as error:
@@ -245,9 +250,7 @@ class DiLoCo:
             for g, saved in zip(self._global, state["global"], strict=True):
                 g.copy_(saved)
         self._outer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
-        for pending in self._pending.values():
-            pending.average.wait()  # issued collectives complete before they are forgotten
-        self._pending = {}
+        self._pending = {}  # their collectives completed above
         for index, saved in state["pending"].items():
             done: Future[torch.Tensor] = Future()
             done.set_result(saved["average"].clone())
@@ -283,7 +286,7 @@ class DiLoCo:
         fragment, glob = self._fragments[index], self._global[index]
         finite = bool(torch.isfinite(average).all())
         if finite:
-            glob.grad = average.to(glob.dtype)
+            glob.grad = average.to(glob.device, glob.dtype)  # restored by torch.load wherever it was mapped
             self._outer.step()
             glob.grad = None
         else:

@@ -5,13 +5,16 @@ ranks: tests/distributed/test_dist_diloco.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 import gradsync
+from gradsync import diloco
 from gradsync.diloco import DEFAULTS, cut
 
 
@@ -208,6 +211,55 @@ def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(comp
         assert torch.equal(got, expected)
     if compressor != "none":
         assert outer.stats()["total"]["compressed_groups"] > 0
+
+
+def test_a_rollback_in_the_same_process_waits_for_the_exchanges_in_flight_and_resumes_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loading a state into the DiLoCo that saved it, with its own exchanges still in flight (a
+    rollback, say after a loss spike): those complete before load_state_dict's first collective,
+    whose order every rank must share, and training goes on as from the saved point."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer, gradsync.DiLoCo]:
+        net = nn.Sequential(nn.Linear(256, 160), nn.Tanh(), nn.Linear(160, 4))
+        torch.manual_seed(1)
+        for p in net.parameters():
+            nn.init.normal_(p, std=0.1)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        outer = gradsync.DiLoCo(net, optimizer, sync_every=4, fragments=2, delay=1, compressor="int8")
+        return net, optimizer, outer
+
+    net, optimizer, outer = make()
+    train(net, optimizer, range(12), features=256, size=16)
+    want = params(net)
+
+    net, optimizer, outer = make()
+    train(net, optimizer, range(6), features=256, size=16)
+    saved = copy.deepcopy((net.state_dict(), optimizer.state_dict(), outer.state_dict()))
+    train(net, optimizer, range(6, 10), features=256, size=16)
+    assert outer._pending  # fragment 1's step-10 exchange is due at step 11
+    # One process's exchange is over at once: this one's result arrives 0.2 s later, as a peer's
+    # would on a slow link.
+    for index, pending in list(outer._pending.items()):
+        late: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        threading.Timer(0.2, late.set_result, args=(pending.average.wait(),)).start()
+        outer._pending[index] = dataclasses.replace(pending, average=late)
+    in_flight = list(outer._pending.values())
+    issued = []  # at each of load_state_dict's collectives: whether the exchanges had completed
+    real = diloco.allgather_object
+
+    def collective(*args: object) -> object:
+        issued.append(all(p.average.done() for p in in_flight))
+        return real(*args)
+
+    monkeypatch.setattr(diloco, "allgather_object", collective)
+    net.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    outer.load_state_dict(saved[2])
+    assert issued and all(issued)
+    train(net, optimizer, range(6, 12), features=256, size=16)
+    for got, expected in zip(params(net), want, strict=True):
+        assert torch.equal(got, expected)
 
 
 def test_the_constructors_defaults_are_the_ones_tools_name() -> None:
