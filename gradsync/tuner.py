@@ -274,9 +274,9 @@ class AutoState(SyncState):
         if step == self._started:
             return
         self._started = step
-        self._forward[step] = len(self.timer.forward_start) - 1
-        if self.done:
+        if self.done:  # the timer is closed: nothing more to note, nor to keep
             return
+        self._forward[step] = len(self.timer.forward_start) - 1
         if self.probe_from is None and step == self.measure_from + MEASURED + 1:
             self._make_candidates(range(self.measure_from + 2, step + 1))  # this step's ends the last
         if self.probe_from is None or step < self.probe_from:
@@ -366,7 +366,9 @@ class AutoState(SyncState):
         self._carry = {int(p): t.clone() for p, t in auto["carry"].items()}
         self._started = -1
         self._forward.clear()  # a step before the restore's is never counted as one after it
-        if self.done or self.probe_from is not None:
+        if self.done:  # as _adopt leaves it: no more forward passes noted, one a step otherwise
+            self.timer.close()
+        elif self.probe_from is not None:
             self.timer.stop_gradients()
 
     def _strategy(self, group: int, numel: int, step: int, compress: bool) -> Strategy:

@@ -63,13 +63,26 @@ def _auto_run(rank: int, world_size: int, feedback: str) -> dict[str, Any]:
     model = ddp(make_mlp(0))
     state = gradsync.register(model, config(plan="auto", error_feedback=feedback, **CODEC))
     opt = sgd(model)
-    saved = {}
+    saved, noted = {}, []
     for step in range(STEPS):
         if step in SAVE_AT.values():
             saved[step] = _checkpoint(state, model, opt)
+        if step > ADOPTED_AT:
+            noted.append(_noted(state))
         _steps(model, opt, rank, range(step, step + 1))
     stats = state.stats()
-    return {"stats": stats, "plan": state.plan.to_dict(), "params": flat_params(model), "saved": saved}
+    return {
+        "stats": stats,
+        "plan": state.plan.to_dict(),
+        "params": flat_params(model),
+        "saved": saved,
+        "noted": noted,
+    }
+
+
+def _noted(state: tuner.AutoState) -> tuple[int, int]:
+    """What plan="auto" has noted of the steps so far: forward passes timed, steps indexed."""
+    return len(state.timer.forward_start), len(state._forward)
 
 
 def _restored_runs(rank: int, world_size: int, saved: list[dict[int, bytes]]) -> dict[int, dict[str, Any]]:
@@ -84,12 +97,14 @@ def _restored_runs(rank: int, world_size: int, saved: list[dict[int, bytes]]) ->
         state.load_state_dict(checkpoint["gradsync"])
         opt = sgd(model)
         opt.load_state_dict(checkpoint["opt"])
+        restored = _noted(state)
         _steps(model, opt, rank, range(step, STEPS))
         stats = state.stats()
         out[step] = {
             "auto": stats["auto"],
             "plan": state.plan.to_dict() if state.plan else None,
             "params": flat_params(model),
+            "noted": [restored, _noted(state)],
         }
     return out
 
@@ -169,8 +184,16 @@ def test_a_checkpoint_resumes_plan_auto_in_the_phase_it_was_taken(auto_runs: lis
         if phase == "runoff":
             assert resumed["order"] == auto["order"]
         assert resumed["adopted_at_step"] == ADOPTED_AT, phase
-    # Taken after adoption: the same plan, and the exact same trajectory.
+    # Taken after adoption: the same plan, and the exact same trajectory; and, as in a run that
+    # adopted by itself, nothing more is noted of the steps that follow (it would grow forever).
     adopted = restored[SAVE_AT["adopted"]]
     assert adopted["plan"] == saved_run["plan"]
     assert adopted["auto"]["adopted_at_step"] == auto["adopted_at_step"]
     assert torch.equal(adopted["params"], saved_run["params"])
+    assert adopted["noted"][0] == adopted["noted"][1]
+
+
+def test_nothing_more_is_noted_of_the_steps_once_a_plan_is_adopted(auto_runs: list[dict]) -> None:
+    for run in auto_runs:
+        assert len(run["noted"]) == STEPS - ADOPTED_AT - 1 > 1
+        assert set(run["noted"]) == {run["noted"][0]}
