@@ -10,10 +10,10 @@ half of that, int8 about a quarter, int4 about an eighth.
 
 The error memory is as large as the group's whole gradient on every rank, since the encoding error
 is made before the gradient is split into shards: memory that sharding saves elsewhere. With
-error_feedback="auto", casts (fp16, bf16) keep none, as PyTorch's own low-precision reductions do;
-quantizers (int8, int4) keep one ("ef"; the other forms keep mirrors of the sum, which a rank
-holding only its shard cannot). Groups below min_compress_numel and warm-up steps run the
-backend's own reduce-scatter, FSDP's result exactly.
+error_feedback="auto", casts (fp16, bf16) keep none, as PyTorch's own low-precision reductions do,
+and so does int8, whose rounding is fine enough; int4 keeps one ("ef"; the other forms keep
+mirrors of the sum, which a rank holding only its shard cannot). Groups below min_compress_numel
+and warm-up steps run the backend's own reduce-scatter, FSDP's result exactly.
 
 HSDP (replicas of a sharded model): FSDP2's native HSDP (a 2-D mesh) all-reduces each shard across
 replicas itself, uncompressed, with no way to replace that collective. gradsync compresses it
