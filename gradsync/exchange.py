@@ -92,6 +92,14 @@ class Exchanged:
         part to feed back (the step is skipped on every rank alike)."""
         return cls(collective, scheme, None, _not_finite, False, payload_nbytes, sent_nbytes, seconds)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A GPU-aware torch Future finds the CUDA tensors of the value it is completed with by
+        # pickling it (to record their streams' events for its waiters), and `local` and
+        # `subtract_local` are closures, which cannot be pickled; they hold nothing to wait for
+        # (this rank's own payloads, made before the collective). So only the sum is shown: an
+        # Exchanged is never pickled to be restored.
+        return (tuple, ((self.total,),))
+
     def remove_local_(self, t: torch.Tensor) -> torch.Tensor:
         """t -= local(), in place, the same bits as t - local(); returns t.
 
@@ -196,9 +204,13 @@ def start(
     if scheme is not None:
         if not kind.sparse_rows:
             raise ValueError(f"scheme={scheme!r} for {kind.__name__}, whose payload is not sparse rows")
-        return route.lane.run(lambda: _sparse(codec, source, route, scheme, finite, out), blocking=True)
+        return route.lane.run(
+            lambda: _sparse(codec, source, route, scheme, finite, out), blocking=True, device=x.device
+        )
     if kind.majority_vote:
-        return route.lane.run(lambda: _vote(codec, source, route.comm, finite), blocking=False)
+        return route.lane.run(
+            lambda: _vote(codec, source, route.comm, finite), blocking=False, device=x.device
+        )
     if collective == "allreduce":
         if not kind.summable:
             raise ValueError(f"collective='allreduce' for {kind.__name__}, whose payloads are not summable")
@@ -211,7 +223,9 @@ def start(
             f"collective={collective!r} is not run by gradsync's hook; use allreduce, allgather or two-shot"
         )
     blocking = not kind.fixed_size  # sizes first, then the payloads
-    return route.lane.run(lambda: _allgather(codec, source, route.comm, finite, out), blocking=blocking)
+    return route.lane.run(
+        lambda: _allgather(codec, source, route.comm, finite, out), blocking=blocking, device=x.device
+    )
 
 
 # -- the programs: each issues its collectives and returns the future of the result ---------------

@@ -259,7 +259,7 @@ class SyncState:
             return completed(result.total.rows().to_coo(grad.shape))
 
         with self._failures_named(where):
-            future = self.lane.run(program, blocking=True)
+            future = self.lane.run(program, blocking=True, device=grad.device)
             if is_last:
                 self.lane.drain()
         return self._named(future, where)
@@ -362,7 +362,9 @@ class SyncState:
             future = exchange.uncompressed(x, route, tables, strategy.scheme)
             shown = self.plan is None or compress  # a plan's warm-up runs DDP's buckets, not its groups
             return then(
-                future, lambda result: self._record(result, x, group, step, strategy, None, started, shown)
+                future,
+                lambda result: self._record(result, x, group, step, strategy, None, started, shown),
+                x.device,
             )
         if not self._compressing:
             self._compressing = True
@@ -423,7 +425,7 @@ class SyncState:
                 out = point.feedback.update(x, p, result.local, result.total, result.remove_local_)
             return self._record(result, out, group, step, strategy, point, started)
 
-        return then(future, finish)
+        return then(future, finish, x.device)
 
     def _strategy(self, group: int, numel: int, step: int, compress: bool) -> Strategy:
         """What runs for `group` this step: uncompressed in warm-up, else the plan's strategy or

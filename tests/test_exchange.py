@@ -85,3 +85,16 @@ def test_a_payload_that_overflows_its_float_type_is_not_finite() -> None:
     assert not result.finite
     assert result.total is None
     assert not math.isfinite(float(x.to(torch.float16)[0]))
+
+
+@pytest.mark.parametrize("name", ["int4", "int8", "topk", "powersgd", "qsgd"])
+def test_an_exchange_outcome_shows_torch_its_sum_and_nothing_it_cannot_pickle(name: str) -> None:
+    # A GPU-aware Future finds the CUDA tensors of its value by pickling it with torch's tensor
+    # extractor; an outcome's `local` and `subtract_local` are closures, which cannot be pickled.
+    # (tests/distributed/test_dist_cuda.py runs the hook itself on a GPU, where one is present.)
+    from torch._jit_internal import _extract_tensors
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    result = exchange.start(build(name), x.clone(), Route(LocalComm()), None, None, True).wait()
+    found = _extract_tensors(result)
+    assert len(found) == 1 and found[0] is result.total
