@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.futures import Future
 
-from .comm import forward
+from .comm import forward, then
 
 
 class Regroup:
@@ -35,7 +35,9 @@ class Regroup:
         self._groups = {index: tuple(params) for index, params in groups.items()}
         self._group_of = {param: index for index, params in self._groups.items() for param in params}
         self._arrived: dict[int, dict[int, torch.Tensor]] = {}  # group -> param -> gradient view
-        self._results: dict[int, Future] = {index: Future() for index in self._groups}
+        # group -> the future of its average; on a GPU, one that records its value's stream, so
+        # that whoever waits for it waits for the GPU's work too (made with the first bucket).
+        self._results: dict[int, Future] = {}
 
     def add(
         self, buffer: torch.Tensor, params: Sequence[int], numels: Sequence[int], is_last: bool
@@ -43,6 +45,9 @@ class Regroup:
         """Take one bucket (its flat buffer holds `params` in order); the groups it completes, in
         index order, each with its gradients concatenated in the group's own order."""
         flat = buffer.view(-1)
+        if not self._results:
+            devices = [buffer.device] if buffer.device.type == "cuda" else None
+            self._results = {index: Future(devices=devices) for index in self._groups}
         touched: list[int] = []
         for param, (lo, hi) in _spans(params, numels).items():
             group = self._group_of.get(param)
@@ -73,7 +78,7 @@ class Regroup:
         def assemble(_: Future) -> torch.Tensor:
             out = torch.empty_like(buffer.view(-1))
             for group in touched:
-                synced = self._results[group].value().view(-1)
+                synced = self._results[group].wait().view(-1)  # on a GPU: after its stream's work
                 start = 0
                 for param in self._groups[group]:
                     size = self._arrived[group][param].numel()
@@ -83,7 +88,7 @@ class Regroup:
                     start += size
             return out.view_as(buffer)
 
-        return torch.futures.collect_all([self._results[g] for g in touched]).then(assemble)
+        return then(torch.futures.collect_all([self._results[g] for g in touched]), assemble, buffer.device)
 
     def check_complete(self) -> None:
         """At the step's last bucket, every group must have all of its gradients: a group left
