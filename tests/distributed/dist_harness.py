@@ -55,12 +55,13 @@ def run_ranks(
     timeout_s: float = 90.0,
     pg_timeout_s: float | None = None,
     may_die: Sequence[int] = (),
+    backend: str = "gloo",
 ) -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` gloo ranks; their results in rank order.
 
     `pg_timeout_s`: the process group's timeout (init_process_group(timeout=...)), how long a
     collective waits for its peers; default `timeout_s`. Ranks in `may_die` may end without a
-    report (a test that kills one): their result is None.
+    report (a test that kills one): their result is None. `backend`: "nccl" for one rank per GPU.
     """
     __tracebackhide__ = True  # a failure shows the ranks' tracebacks, not this harness
     ctx = mp.get_context("forkserver")
@@ -74,7 +75,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, store.port, pg_timeout_s or timeout_s, tuple(args), results),
+            args=(fn, rank, world_size, store.port, pg_timeout_s or timeout_s, tuple(args), results, backend),
             name=f"gloo-rank-{rank}",
             daemon=True,
         )
@@ -157,6 +158,7 @@ def _rank_main(
     timeout_s: float,
     args: tuple,
     results: queue.Queue,
+    backend: str = "gloo",
 ) -> None:
     """Body of one rank: join the group, run fn, report its result or traceback."""
     torch.set_num_threads(1)
@@ -166,7 +168,9 @@ def _rank_main(
     try:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(HOST, port, None, False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             # Pickled here to plain bytes: a tensor put on the queue as it is would travel
             # through shared memory that vanishes when this process exits.
