@@ -96,6 +96,7 @@ class ShardedState(SyncState):
             self._record(result, x, group, step, strategy, None, started, reference_nbytes=reference)
             return
         point = self._point(group, x, step)
+        self._follow_learning_rate(point, step)
         guard = not (
             type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
         )

@@ -15,6 +15,7 @@ from torch import nn
 
 from gradsync import SyncConfig, SyncState
 from gradsync.comm import TorchComm
+from gradsync.fsdp import ShardedState
 
 WORLD = 3  # shards of unequal length
 STEPS = 12
@@ -76,3 +77,45 @@ def test_nothing_is_lost_in_parameter_units(runs: list[dict]) -> None:
     held = sum(out["error"] for out in runs) + torch.cat([out["shard"] for out in runs])
     assert float(torch.cat([out["shard"] for out in runs]).abs().max()) > 0  # the owners' memory counts
     torch.testing.assert_close(runs[0]["applied"] + rates[-1] * held, wanted, rtol=0, atol=1e-5)
+
+
+def _train_sharded(rank: int, world: int) -> dict:
+    """The same under FSDP2's reduction (ShardedState.reduce_scatter, as gradsync's ReduceScatter
+    calls it): each rank applies only its shard of the average; its one memory holds its own
+    full gradient's residual, a world's share of the average."""
+    model = _model()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    shard = -(-numel // world)  # FSDP pads the flat gradient to equal shards
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS + 3)
+    comm = TorchComm(None)
+    state = ShardedState(SyncConfig(warmup_steps=2, min_compress_numel=0), comm, model)
+    applied, rates = torch.zeros(shard, dtype=torch.float64), []
+    for step in range(STEPS):
+        x = torch.zeros(shard * world)
+        x[:numel] = rank_gradient(rank, step, numel)
+        out = torch.empty(shard)
+        state.reduce_scatter(x, out, 0, comm, average=True)
+        rates.append(optimizer.param_groups[0]["lr"])
+        applied.add_(out.double(), alpha=rates[-1])
+        optimizer.step()
+        scheduler.step()
+    point = state.points[0]
+    error = point.feedback.error.double()  # type: ignore[attr-defined]
+    return {"applied": applied, "rates": rates, "held_at": point.rates, "error": error}
+
+
+def test_nothing_is_lost_in_parameter_units_under_fsdp() -> None:
+    runs = run_ranks(_train_sharded, WORLD, timeout_s=120)
+    rates = runs[0]["rates"]
+    assert rates[-1] < 0.5 * rates[0]
+    assert all(out["held_at"] == (rates[-1],) for out in runs)
+    applied = torch.cat([out["applied"] for out in runs])
+    numel = sum(p.numel() for p in _model().parameters())
+    wanted = sum(
+        rate * sum(rank_gradient(r, step, numel).double() for r in range(WORLD)) / WORLD
+        for step, rate in enumerate(rates)
+    )
+    held = sum(out["error"] for out in runs)[:numel] / WORLD
+    torch.testing.assert_close(applied[:numel] + rates[-1] * held, wanted, rtol=0, atol=1e-5)
