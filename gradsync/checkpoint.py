@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,10 +59,10 @@ def problems(
             "would not fit; load a checkpoint of this model, or register afresh"
         )
     if state["config"] != config:
-        saved = state["config"]
+        saved = state["config"] if isinstance(state["config"], Mapping) else {}
         differing = "; ".join(
             f"{key} {saved.get(key)!r} there, {config.get(key)!r} here"
-            for key in sorted({*saved, *config})
+            for key in sorted({*saved, *config}, key=str)
             if saved.get(key) != config.get(key)
         )
         found.append(
@@ -83,17 +83,21 @@ def problems(
     return found
 
 
-def own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str]]:
+def own_part(
+    state: Any, rank: int, device: torch.device | None = None
+) -> tuple[Mapping[str, Any] | None, list[str]]:
     """Rank `rank`'s own state out of a state_dict() or full_state_dict() (or several ranks'
-    merged), or what is wrong with it. Never raises: every rank must reach the check that
-    compares them."""
+    merged), its tensors on `device` (the model's; see `onto`), or what is wrong with it. Never
+    raises: every rank must reach the check that compares them."""
     try:
-        return _own_part(state, rank)
+        return _own_part(state, rank, device)
     except Exception as error:
         return None, [f"it is not a gradsync state ({type(error).__name__}: {error})"]
 
 
-def _own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str]]:
+def _own_part(
+    state: Any, rank: int, device: torch.device | None
+) -> tuple[Mapping[str, Any] | None, list[str]]:
     if not isinstance(state, Mapping):
         return None, [f"a gradsync state is a dict from SyncState.state_dict(), got a {type(state).__name__}"]
     if state.get("format") != FORMAT:
@@ -113,7 +117,7 @@ def _own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str
             "on every rank (gradsync.AllRanks(state) gives a framework that saves from rank 0 that)"
         ]
     try:
-        own = torch.load(io.BytesIO(state[part_key(rank)]), map_location=onto_this_rank, weights_only=True)
+        own = torch.load(io.BytesIO(state[part_key(rank)]), map_location=onto(device), weights_only=True)
     except Exception as error:  # damaged bytes: refused like any other bad state, on every rank
         return None, [f"its entry for rank {rank} cannot be read ({type(error).__name__}: {error})"]
     if not isinstance(own, Mapping):
@@ -124,15 +128,24 @@ def _own_part(state: Any, rank: int) -> tuple[Mapping[str, Any] | None, list[str
     return own, []
 
 
-def onto_this_rank(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
-    """torch.load's map_location for a rank's own state: what was saved on a GPU goes to this
-    process's current GPU, whichever GPU saved it (rank 5 saved on GPU 5 of an 8-GPU node resumes
-    on GPU 1 of a 4-GPU one, where GPU 5 is absent or another rank's), or stays on the CPU where
-    this process has none; what was saved on the CPU stays there. `storage` is torch's first,
-    CPU-side deserialization of it."""
-    if location.startswith("cuda") and torch.cuda.is_available():
-        return storage.cuda(torch.cuda.current_device())
-    return storage
+def onto(device: torch.device | None) -> Callable[[torch.UntypedStorage, str], torch.UntypedStorage]:
+    """torch.load's map_location for a rank's own state: every tensor onto `device`, where this
+    rank's model is, whichever device saved it (rank 5 saved on GPU 5 of an 8-GPU node resumes on
+    GPU 1 of a 4-GPU one, where GPU 5 is absent or another rank's). Where the model's device is
+    not known (a state made without the model): a GPU's tensors onto this process's current GPU,
+    or the CPU where it has none; a CPU's stay."""
+
+    def place(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        # `storage` is torch's first deserialization of it, on the CPU.
+        if device is not None and device.type == "cuda":
+            return storage.cuda(device.index if device.index is not None else torch.cuda.current_device())
+        if device is not None and device.type == "cpu":
+            return storage
+        if location.startswith("cuda") and torch.cuda.is_available():
+            return storage.cuda(torch.cuda.current_device())
+        return storage
+
+    return place
 
 
 def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -237,6 +237,17 @@ def then(future: Future, fn: Callable[[Any], Any], device: torch.device | None =
     return out
 
 
+def for_ddp(future: Future) -> Future:
+    """`future` as a hook returns it to DDP: chained by Future.then (which keeps `future`'s GPU
+    devices). DDP shows an error that reaches it so as "... CollectiveError: <message>", but one
+    set on a future directly (then's) as "Unable to cast <message> to Tensor"."""
+    return future.then(_value)
+
+
+def _value(future: Future) -> Any:
+    return future.value()
+
+
 def forward(source: Future, target: Future) -> None:
     """Complete `target` with `source`'s value or error."""
 

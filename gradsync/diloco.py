@@ -223,7 +223,8 @@ class DiLoCo:
         ranks' (the error memories are checked by SyncState.load_state_dict)."""
         # Exchanges still in flight (issued without draining) may be issuing collectives from the
         # lane's thread: they complete before this rank issues its own below, or the ranks' orders
-        # of collectives could differ (an in-process rollback). Their results are kept, not applied.
+        # of collectives could differ (an in-process rollback). Their results are not applied: a
+        # load replaces them with the saved state's own, a refused one leaves them pending.
         for pending in self._pending.values():
             pending.average.wait()
         try:  # a rank must not leave before the collective below, or the others wait for it

@@ -96,9 +96,9 @@ class Exchanged:
         # A GPU-aware torch Future finds the CUDA tensors of the value it is completed with by
         # pickling it (to record their streams' events for its waiters), and `local` and
         # `subtract_local` are closures, which cannot be pickled; they hold nothing to wait for
-        # (this rank's own payloads, made before the collective). So only the sum is shown: an
-        # Exchanged is never pickled to be restored.
-        return (tuple, ((self.total,),))
+        # (this rank's own payloads, made before the collective). So only the sum is shown, and
+        # a copy or an unpickling raises rather than return something else.
+        return (_not_restorable, (self.total,))
 
     def remove_local_(self, t: torch.Tensor) -> torch.Tensor:
         """t -= local(), in place, the same bits as t - local(); returns t.
@@ -271,6 +271,8 @@ def _tables(x: torch.Tensor, tables: Sequence[Table], route: Route, scheme: str 
     carried = "+".join(schemes) or None  # the schemes the rows went by
 
     def done(_: object) -> Exchanged:
+        for run in pending:
+            run.wait()  # each run's error, and on a GPU its stream, not only the last one's
         clock.lap("communicate")
         return Exchanged("allreduce", carried, x, lambda: x, True, x.nbytes, sent, clock.seconds)
 
@@ -713,6 +715,10 @@ def _subtract(codec: Compressor, payload: Payload, ctx: object) -> RemoveLocal:
         return t
 
     return subtract
+
+
+def _not_restorable(_: object) -> None:
+    raise TypeError("an Exchanged holds closures over this step's payloads: it is not copied or pickled")
 
 
 def _not_finite() -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.futures import Future
 
-from .comm import forward, then
+from .comm import for_ddp, forward, then
 
 
 class Regroup:
@@ -88,7 +88,10 @@ class Regroup:
                     start += size
             return out.view_as(buffer)
 
-        return then(torch.futures.collect_all([self._results[g] for g in touched]), assemble, buffer.device)
+        assembled = then(
+            torch.futures.collect_all([self._results[g] for g in touched]), assemble, buffer.device
+        )
+        return for_ddp(assembled)
 
     def check_complete(self) -> None:
         """At the step's last bucket, every group must have all of its gradients: a group left

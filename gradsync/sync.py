@@ -146,6 +146,7 @@ class SyncState:
         self._param_shapes = [p.shape for p in params]
         self._embeddings = _embedding_params(model) if model is not None else set()
         self._shapes_digest = checkpoint.digest(self._param_shapes) if model is not None else None
+        self._device = params[0].device if params else None  # where a checkpoint's tensors go
         # The rate the user's SGD applies to those parameters, which error memories follow.
         follows = model is not None and self.follows_learning_rate
         self._learning_rate = LearningRate(params) if follows else None
@@ -311,7 +312,7 @@ class SyncState:
         (another rank's, another step than the other ranks', another config or world size), holds
         a non-finite error memory, or is not a gradsync state at all."""
         comm = self._comm()
-        mine, problems = checkpoint.own_part(state, self._key_rank)
+        mine, problems = checkpoint.own_part(state, self._key_rank, getattr(self, "_device", None))
         if mine is not None:
             problems += self._state_problems(mine)
         reports = allgather_object(

@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import levels, profile
 from .autoplan import CANDIDATES, Measured, candidates, codec_specs, runoff
-from .comm import Comm, allgather_object, then
+from .comm import Comm, allgather_object, for_ddp, then
 from .compress import PAST_WARMUP
 from .config import SyncConfig
 from .ddp import hook
@@ -458,5 +458,5 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
             return average
 
         # Chained, not a done-callback: DDP's wait may return before a callback of its future runs.
-        return then(future, synced, bucket.buffer().device)
+        return for_ddp(then(future, synced, bucket.buffer().device))
     return future

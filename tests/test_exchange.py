@@ -4,6 +4,7 @@ byte counts, for every registered codec. The same over real ranks: distributed/t
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -98,3 +99,5 @@ def test_an_exchange_outcome_shows_torch_its_sum_and_nothing_it_cannot_pickle(na
     result = exchange.start(build(name), x.clone(), Route(LocalComm()), None, None, True).wait()
     found = _extract_tensors(result)
     assert len(found) == 1 and found[0] is result.total
+    with pytest.raises(TypeError, match="not copied or pickled"):  # never restored as something else
+        copy.copy(result)

@@ -361,8 +361,9 @@ def test_a_state_saved_on_a_gpu_resumes_on_this_ranks_own_device() -> None:
         saved = state.state_dict()
     finally:
         saving = False
-    with pytest.raises(RuntimeError, match="CUDA"):
-        torch.load(io.BytesIO(saved["rank 0"]), weights_only=True)
+    if torch.cuda.device_count() <= 5:  # where GPU 5 exists, torch.load would put them there
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(io.BytesIO(saved["rank 0"]), weights_only=True)
     expected = run_steps(state, gs[WARMUP + 3 :])
     restored = new_state(error_feedback="ef")
     restored.load_state_dict(saved)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.futures import Future
 
 import gradsync
+from gradsync.comm import LocalComm
 from gradsync.regroup import Regroup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -132,10 +133,13 @@ def _sparse_and_sharded(rank: int, world_size: int) -> dict[str, Any]:
     _train(model, rank, steps=4)
     saved = io.BytesIO()
     torch.save(state.state_dict(), saved)
-    restored = gradsync.register(_ddp(), config())
-    restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
-    memories = [p.shard_error for p in restored.points.values() if p.shard_error is not None]
-    out["restored on"] = {str(memory.device) for memory in memories}
+    for where, model in (("gpu", _ddp()), ("cpu", _mlp().cpu())):  # each: where its model is
+        restored = gradsync.SyncState(config(), LocalComm(), model) if where == "cpu" else None
+        restored = restored or gradsync.register(model, config())
+        restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+        memories = [p.shard_error for p in restored.points.values() if p.shard_error is not None]
+        memories += [p.feedback.error for p in restored.points.values()]
+        out[f"restored on, {where} model"] = {memory.device.type for memory in memories}
     return out
 
 
@@ -144,7 +148,8 @@ def test_sparse_schemes_fsdp_and_checkpoints_on_one_gpu() -> None:
     for scheme in ("balanced", "recursive-doubling", "agsparse"):
         assert got[scheme], scheme  # the same gradients as DDP's
     assert torch.isfinite(got["fsdp"]).all() and torch.isfinite(got["hsdp"]).all()
-    assert got["restored on"] == {f"cuda:{torch.cuda.current_device()}"}
+    assert got["restored on, gpu model"] == {"cuda"}
+    assert got["restored on, cpu model"] == {"cpu"}  # a GPU's checkpoint resumed on a CPU
 
 
 def test_a_regrouped_bucket_waits_for_every_groups_gpu_work() -> None:

@@ -8,7 +8,8 @@ The fault matrix: one rank (the victim) of three is
 for every collective family gradsync issues: allreduce (fp16), the majority vote (signsgd),
 allgather (topk), two-shot (int4: all_to_all, then allgather), allgather of variable sizes
 (threshold), all_to_all (Zen's balanced scheme),
-send/receive (recursive doubling), multi-round (PowerSGD) and the dense sparse scheme.
+send/receive (recursive doubling), multi-round (PowerSGD), the dense sparse scheme, and a plan
+whose groups cut across DDP's buckets (regrouped: each bucket's future waits for other groups').
 
 Every survivor must raise a CollectiveError naming the collective, the bucket and the step within
 the process group's timeout + 5 s, with its parameters as they were before the failed step: no
@@ -28,6 +29,7 @@ from dist_harness import batch, config, ddp, make_mlp, run_ranks, sgd
 from torch import nn
 
 import gradsync
+from gradsync.plan import GroupPlan, Plan, signature
 
 WORLD_SIZE = 3
 VICTIM = 1
@@ -47,7 +49,9 @@ FAMILIES = {
     "sendrecv": ({"compressor": "topk", "sparse_scheme": "recursive-doubling"}, ("sendrecv",)),
     "multi_round": ({"compressor": "powersgd"}, ("allreduce",)),
     "sparse_dense": ({"compressor": "topk", "sparse_scheme": "dense"}, ("allreduce",)),
+    "regrouped": ({}, ("allreduce", "allgather")),  # REGROUPED's plan (fp16's collective)
 }
+REGROUPED = (((0, 5), "fp16"), ((1, 2, 3, 4), "fp16"))  # the first and last layers' tensors together
 FAULTS = ("kill_before_step", "kill_mid_backward", "stall", "forward_error")
 # The fast suite covers every family and every fault once; the whole matrix runs as slow.
 FAST = {
@@ -60,13 +64,19 @@ FAST = {
     ("sendrecv", "kill_mid_backward"),
     ("multi_round", "stall"),
     ("sparse_dense", "kill_before_step"),
+    ("regrouped", "kill_mid_backward"),
 }
 
 
 def faulty_training(rank: int, world_size: int, family: str, fault: str) -> dict:
     # Small buckets: several exchanges per step, so a rank can die between two of them.
     model = ddp(make_mlp(seed=0), bucket_cap_mb=0.002)
-    gradsync.register(model, config(**FAMILIES[family][0]))
+    args = FAMILIES[family][0]
+    if family == "regrouped":
+        params = list(model.parameters())
+        groups = tuple(GroupPlan(ps, sum(params[p].numel() for p in ps), text) for ps, text in REGROUPED)
+        args = {"plan": Plan(signature(model), world_size, groups)}
+    gradsync.register(model, config(**args))
     opt = sgd(model)
     loss_fn = nn.CrossEntropyLoss()
     victim = rank == VICTIM
@@ -138,7 +148,8 @@ def test_every_survivor_raises_naming_the_exchange_and_applies_nothing(family: s
         raised = result["raised"]
         assert raised is not None, f"rank {rank} trained on after rank {VICTIM}'s {fault}: {result}"
         assert "CollectiveError" in raised and "gradsync: " in raised, raised
-        assert f"at step {FAULT_STEP}" in raised and "bucket " in raised, raised
+        exchanged = "group " if family == "regrouped" else "bucket "
+        assert f"at step {FAULT_STEP}" in raised and exchanged in raised, raised
         assert result["step"] == FAULT_STEP
         assert result["seconds"] <= PG_TIMEOUT_S + 5, result
         assert result["unchanged"], f"rank {rank} applied a result of the failed step: {raised}"
