@@ -103,12 +103,22 @@ class ShardedState(SyncState):
         finite = not guard or is_finite(x)
         p = point.feedback.prepare(x, 1) if finite else x
         result = exchange.reduce_scatter(point.codec, p, out, comm, average, finite, agree=guard)
+        if guard and self.replica_state is not None:  # HSDP: the other replicas' shards too
+            result.finite = self._replicas_agree(result.finite, x.device)
         if result.finite:
             point.feedback.update(x, p, result.local, out, result.remove_local_)  # "none", "ef": out as it is
         else:
             point.codec.undo()  # a skipped step leaves no trace in codec state either
             out.fill_(math.nan)  # on every rank (agreed): AMP's GradScaler skips the step
         self._record(result, x, group, step, strategy, point, started, reference_nbytes=reference)
+
+    def _replicas_agree(self, finite: bool, device: torch.device) -> bool:
+        """Whether this shard was finite on every replica: where one replica's was not, the replica
+        all-reduce that follows makes the step NaN everywhere (and AMP skips it), so no replica
+        may keep what this step put in its memories."""
+        replicas = self.replica_state._comm()  # type: ignore[union-attr]
+        flag = torch.tensor([float(finite)], device=device)
+        return bool(replicas.allreduce(flag).wait() == replicas.world_size)
 
     def all_reduce_replicas(self, shard: torch.Tensor, group: int) -> None:
         """Average this rank's shard of `group`'s gradient (already reduced over the shard group)

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -220,6 +222,34 @@ def test_hsdp_averages_over_every_rank_and_replicas_hold_the_same_bits(shards: i
                 f"{name}: rank {rank}'s gradient differs from rank 0's"
             )
     assert results[0]["bf16 ratio"] >= 1.9 and results[0]["none ratio"] == 1.0, results[0]
+
+
+def hsdp_skipped_step(rank: int, world_size: int) -> dict:
+    """Replica 1 (ranks 2 and 3) meets a non-finite loss at step 3; replica 0's is finite."""
+    mesh = hsdp_mesh(2)
+    net = shard(make(0), mesh["shard"])
+    state = gradsync.register(net, config(), replicate_group=mesh["replicate"].get_group())  # int4, ef
+    opt = sgd(net)
+    train(net, opt, rank, range(3))
+    before = {g: p.feedback.error.clone() for g, p in state.points.items()}  # type: ignore[attr-defined]
+    x, y = batch(rank, 3)
+    loss = nn.functional.cross_entropy(net(x), y)
+    (loss * math.nan if rank >= 2 else loss).backward()
+    finite = all(bool(p.grad.full_tensor().isfinite().all()) for p in net.parameters())
+    after = {g: p.feedback.error for g, p in state.points.items()}  # type: ignore[attr-defined]
+    return {
+        "finite": finite,
+        "kept": all(torch.equal(before[g], after[g]) for g in before),
+        "groups": len(before),
+    }
+
+
+def test_an_hsdp_step_skipped_on_one_replica_leaves_no_trace_on_the_others() -> None:
+    results = run_ranks(hsdp_skipped_step, 4, timeout_s=120)
+    for rank, out in enumerate(results):
+        assert out["groups"] > 0
+        assert not out["finite"], f"rank {rank}: the step must be NaN everywhere (AMP skips it)"
+        assert out["kept"], f"rank {rank}: the skipped step changed its error memories"
 
 
 def refusals(rank: int, world_size: int) -> dict:
