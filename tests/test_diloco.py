@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import inspect
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -175,19 +176,24 @@ def test_a_non_finite_outer_gradient_skips_the_sync_and_resets_to_the_global_par
     )
 
 
+def delayed(compressor: str, **options: Any) -> tuple[nn.Module, torch.optim.Optimizer, gradsync.DiLoCo]:
+    """A model whose 2 fragments are each over min_compress_numel (int8 compresses both), under
+    DiLoCo with a delay of one inner step: an exchange is in flight between two steps."""
+    net = nn.Sequential(nn.Linear(256, 160), nn.Tanh(), nn.Linear(160, 4))
+    torch.manual_seed(1)
+    for p in net.parameters():
+        nn.init.normal_(p, std=0.1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    outer = gradsync.DiLoCo(
+        net, optimizer, sync_every=4, fragments=2, delay=1, compressor=compressor, **options
+    )
+    return net, optimizer, outer
+
+
 @pytest.mark.parametrize("compressor", ["none", "int8"])
 def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(compressor: str) -> None:
     def make() -> tuple[nn.Module, torch.optim.Optimizer, gradsync.DiLoCo]:
-        # Each of 2 fragments is over min_compress_numel: int8 compresses both.
-        net = nn.Sequential(nn.Linear(256, 160), nn.Tanh(), nn.Linear(160, 4))
-        torch.manual_seed(1)
-        for p in net.parameters():
-            nn.init.normal_(p, std=0.1)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        outer = gradsync.DiLoCo(
-            net, optimizer, sync_every=4, fragments=2, delay=1, alpha=0.5, compressor=compressor
-        )
-        return net, optimizer, outer
+        return delayed(compressor, alpha=0.5)
 
     def batches(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
         train(net, optimizer, steps, features=256, size=16)
@@ -220,20 +226,11 @@ def test_a_rollback_in_the_same_process_waits_for_the_exchanges_in_flight_and_re
     rollback, say after a loss spike): those complete before load_state_dict's first collective,
     whose order every rank must share, and training goes on as from the saved point."""
 
-    def make() -> tuple[nn.Module, torch.optim.Optimizer, gradsync.DiLoCo]:
-        net = nn.Sequential(nn.Linear(256, 160), nn.Tanh(), nn.Linear(160, 4))
-        torch.manual_seed(1)
-        for p in net.parameters():
-            nn.init.normal_(p, std=0.1)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        outer = gradsync.DiLoCo(net, optimizer, sync_every=4, fragments=2, delay=1, compressor="int8")
-        return net, optimizer, outer
-
-    net, optimizer, outer = make()
+    net, optimizer, outer = delayed("int8")
     train(net, optimizer, range(12), features=256, size=16)
     want = params(net)
 
-    net, optimizer, outer = make()
+    net, optimizer, outer = delayed("int8")
     train(net, optimizer, range(6), features=256, size=16)
     saved = copy.deepcopy((net.state_dict(), optimizer.state_dict(), outer.state_dict()))
     train(net, optimizer, range(6, 10), features=256, size=16)
