@@ -63,8 +63,9 @@ class ShardedState(SyncState):
         self._replica_calls: dict[int, int] = {}  # group -> replica all-reduces so far
         self._resumed_at = 0  # the step a restored state resumes at: every group's first
         # HSDP: each group's shard averaged across replicas, a DDP bucket's path over `replicas`
-        # (its own stats(); its memories are checkpointed with this state's).
-        self.replica_state = SyncState(config, replicas) if replicas is not None else None
+        # (its own stats(); its memories are checkpointed with this state's). Given the model, its
+        # memories follow the learning rate of an SGD over it, as the shard's do.
+        self.replica_state = SyncState(config, replicas, model) if replicas is not None else None
 
     def reduce_scatter(
         self, x: torch.Tensor, out: torch.Tensor, group: int, comm: Comm, average: bool

@@ -252,6 +252,34 @@ def test_an_hsdp_step_skipped_on_one_replica_leaves_no_trace_on_the_others() -> 
         assert out["kept"], f"rank {rank}: the skipped step changed its error memories"
 
 
+def hsdp_rates(rank: int, world_size: int) -> dict:
+    mesh = hsdp_mesh(2)
+    net = shard(make(0), mesh["shard"])
+    state = gradsync.register(net, config(), replicate_group=mesh["replicate"].get_group())  # int4, ef
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(5):
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    replicas = state.replica_state
+    assert replicas is not None
+    return {
+        "shard": {p.rates for p in state.points.values()},
+        "replicas": {p.rates for p in replicas.points.values()},
+        "lr": opt.param_groups[0]["lr"],
+    }
+
+
+def test_hsdp_memories_follow_the_learning_rate_in_both_exchanges() -> None:
+    # Held at the rate of the step that last added to them (the step before the scheduler's
+    # last halving): in parameter units, as DDP's and the shard's memories are.
+    for out in run_ranks(hsdp_rates, 4, timeout_s=120):
+        assert out["shard"] == out["replicas"] == {(out["lr"] * 2,)}, out
+
+
 def refusals(rank: int, world_size: int) -> dict:
     out = {}
     cases = {
