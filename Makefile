@@ -97,15 +97,15 @@ bench-train-embed-lm: $(STAMP)
 		--strategies ddp,none,none:sparse=balanced,none:sparse=dense --steps 100 --eval-every 25 \
 		--out docs/bench-train-embed-lm
 
-# The sparse exchange benchmark behind README's sparse table: dense, agsparse, balanced (Zen),
-# hierarchical (SparCML) and an index-range partition on 8 testbed hosts at 1 Gbit/s, on embed-lm's
+# The sparse exchange benchmark behind docs/sparse.md's tables: dense, agsparse, balanced (Zen),
+# recursive-doubling (SparCML) and an index-range partition on 8 testbed hosts at 1 Gbit/s, on embed-lm's
 # embedding gradient and Zipf-skewed rows, with each scheme's traffic modelled for 2 to 128 workers.
 bench-sparse: $(STAMP)
 	$(BIN)/python -m gradsync bench sparse --hosts 8 --testbed --bandwidth 1gbit --reps 10 \
 		--inputs embed-lm,zipf --out docs/bench-sparse
 
 # The simulator's speed at 1,024 and 16,384 workers and its scaling factors for every model profile at
-# 8 x 8 V100 with 25 and 100 Gbit/s between nodes (README's simulator tables).
+# 8 x 8 V100 with 25 and 100 Gbit/s between nodes (docs/simulator.md's tables).
 bench-sim: $(STAMP)
 	$(BIN)/python -m gradsync bench sim --out docs/bench-sim
 
@@ -115,7 +115,7 @@ bench-plan: $(STAMP)
 	$(BIN)/python -m gradsync bench plan --out docs/bench-plan
 
 # plan="auto" against every fixed configuration of its space: gpt-tiny on 4 ranks on loopback and on
-# testbed hosts at 10 and 1 Gbit/s (README's planning table).
+# testbed hosts at 10 and 1 Gbit/s (docs/planning.md's table).
 bench-plan-train: $(STAMP)
 	for net in loopback 10gbit 1gbit; do \
 		if [ $$net = loopback ]; then where=""; else where="--testbed --bandwidth $$net"; fi; \
