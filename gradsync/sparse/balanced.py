@@ -44,7 +44,7 @@ def balanced(
     pushed = comm.all_to_all(frames, [c * (INDEX_NBYTES + row_nbytes) for c in recv_counts]).wait()
     received = [_unpush(rows, data, count) for data, count in zip(pushed, recv_counts, strict=True)]
     mine = sum_rows(received)  # in rank order: the same bits whoever sums
-    owned = partition.owned(me).to(rows.values.device)  # the table is built on the CPU
+    owned = partition.owned(me, rows.values.device)
 
     # Pull: each owner's sum to every rank. An allgather of uneven sizes, done as one all_to_all
     # that sends the owner's frame to every rank: no padding to the largest owner, and every
@@ -57,7 +57,7 @@ def balanced(
     frame = torch.cat([encode_owned(mine.indices, owned), value_bytes(mine)])
     pulled = comm.all_to_all([frame] * n, pull_nbytes).wait()
     parts = [
-        _unpull(rows, data, partition.owned(owner).to(rows.values.device), count) if owner != me else mine
+        _unpull(rows, data, partition.owned(owner, rows.values.device), count) if owner != me else mine
         for owner, (data, (count, _, _)) in enumerate(zip(pulled, sizes, strict=True))
     ]
 

@@ -38,8 +38,9 @@ class Partition:
         """The owner (int64 in [0, num_owners)) of each index."""
         raise NotImplementedError(f"{type(self).__name__} must implement owner_of")
 
-    def owned(self, owner: int) -> torch.Tensor:
-        """Every row `owner` owns, ascending (int64)."""
+    def owned(self, owner: int, device: torch.device | None = None) -> torch.Tensor:
+        """Every row `owner` owns, ascending (int64), on `device` (default the CPU): where the
+        indices they are matched with live."""
         raise NotImplementedError(f"{type(self).__name__} must implement owned")
 
     def split(self, indices: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -72,14 +73,17 @@ class HashPartition(Partition):
         generator = torch.Generator().manual_seed(seed)
         a, b = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=generator).tolist()
         self._a, self._b = a | 1, b
+        self._rows_on: dict[torch.device, torch.Tensor] = {}  # _rows_by_owner's rows on other devices
 
     def owner_of(self, indices: torch.Tensor) -> torch.Tensor:
         # int64 products wrap modulo 2^64, as the hash wants; >> is arithmetic, hence the mask.
         hashed = (indices.long() * self._a + self._b >> 32) & 0xFFFFFFFF
         return (hashed * self.num_owners) >> 32
 
-    def owned(self, owner: int) -> torch.Tensor:
+    def owned(self, owner: int, device: torch.device | None = None) -> torch.Tensor:
         rows, offsets = self._rows_by_owner
+        if device is not None and device.type != "cpu":  # copied to a GPU once, not at every pull
+            rows = self._rows_on.setdefault(device, rows.to(device))
         return rows[offsets[owner] : offsets[owner + 1]]
 
     @cached_property
@@ -109,8 +113,8 @@ class RangePartition(Partition):
     def owner_of(self, indices: torch.Tensor) -> torch.Tensor:
         return indices.long() * self.num_owners // max(self.num_rows, 1)
 
-    def owned(self, owner: int) -> torch.Tensor:
-        return torch.arange(self._first_row(owner), self._first_row(owner + 1))
+    def owned(self, owner: int, device: torch.device | None = None) -> torch.Tensor:
+        return torch.arange(self._first_row(owner), self._first_row(owner + 1), device=device)
 
     def _first_row(self, owner: int) -> int:
         # The smallest r with r * n // num_rows >= owner.
