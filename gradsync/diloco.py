@@ -17,7 +17,7 @@ mixed into the local one as alpha * local + (1 - alpha) * global.
 The global parameters are bit-identical on every rank after every sync: every rank decodes the
 same average and applies the same outer step.
 
-(Just over 400 lines: the outer loop, its fragments' schedule, its checkpoint and the checks that
+(About 460 lines: the outer loop, its fragments' schedule, its checkpoint and the checks that
 every rank runs alike are one object's state; the pure pieces, cut() and check_options(), are
 functions here because nothing else uses them.)
 """
@@ -28,6 +28,7 @@ import copy
 import itertools
 import json
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,9 @@ class DiLoCo:
             it overlaps, issue collectives of your own (a metric's all_reduce) on another process
             group, or they may interleave with the exchange's differently on different ranks.
         alpha: weight of the local parameters when the new global ones are mixed in (0: replaced).
+            Above 0, error_feedback="auto" resolves to "none" and a residual form ("ef") is
+            refused: the local parameters' lead then keeps alpha of what compression held back,
+            which the error memory would send again.
         process_group: the ranks to average over (default: the world; a world of one without one).
 
     Every rank must call inner_optimizer.step() equally often: a step one rank skips (a GradScaler
@@ -147,15 +151,31 @@ class DiLoCo:
         sizes = [p.numel() for p in params]
         check_int("fragments", fragments, 1, sum(sizes), why="at most one per element of the model")
         self.sync_every, self.delay, self.alpha = sync_every, delay, float(alpha)
-        # warmup_steps=0: unlike DDP's buckets, a fragment's layout is fixed from the first sync.
-        config = SyncConfig(
-            compressor=compressor,
-            compressor_args=compressor_args or {},
-            error_feedback=error_feedback,
-            error_feedback_args=error_feedback_args or {},
-            warmup_steps=0,
-            seed=seed,
-        )
+        # With alpha > 0 the local parameters keep alpha of what compression drops: "auto" keeps
+        # no memory, and SyncConfig's warning that a biased codec without one loses it for good
+        # does not hold.
+        resolved = "none" if alpha > 0 and error_feedback == "auto" else error_feedback
+        with warnings.catch_warnings():
+            if resolved != error_feedback:
+                warnings.filterwarnings("ignore", "compressor .* is biased", UserWarning)
+            # warmup_steps=0: unlike DDP's buckets, a fragment's layout is fixed from the first sync.
+            config = SyncConfig(
+                compressor=compressor,
+                compressor_args=compressor_args or {},
+                error_feedback=resolved,
+                error_feedback_args=error_feedback_args or {},
+                warmup_steps=0,
+                seed=seed,
+            )
+        if alpha > 0 and type(config.build_feedback()).holds_back:
+            # After a sync the local parameters keep alpha of their lead over the new global
+            # ones, and that lead holds what compression held back: with the memory sending it
+            # again, it would move the global parameters (1 + alpha) times.
+            raise ValueError(
+                f"alpha={alpha} with error_feedback={error_feedback!r}: the local parameters keep "
+                "alpha of what compression held back, which the error memory sends again. Pass "
+                "error_feedback='auto' or 'none' with alpha > 0, or alpha=0 (DiLoCo's default)"
+            )
         comm: Comm = TorchComm(process_group) if dist.is_initialized() else LocalComm()
         self._check_ranks_agree(comm, config)
         self.sync_state = _OuterSyncState(config, comm, model)
@@ -229,7 +249,7 @@ class DiLoCo:
             pending.average.wait()
         try:  # a rank must not leave before the collective below, or the others wait for it
             problems = self._state_problems(state)
-        except (AttributeError, KeyError, TypeError) as error:
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
             problems = [f"not a gradsync DiLoCo state ({type(error).__name__}: {error}): pass state_dict()'s"]
         comm = self.sync_state._comm()
         step = state.get("step") if not problems else None
@@ -368,7 +388,31 @@ class DiLoCo:
             problems.append("its global parameters are of another model: load the checkpoint of this model")
         elif not all(bool(torch.isfinite(t).all()) for t in state["global"]):
             problems.append("its global parameters are not finite: load an earlier checkpoint")
+        else:
+            problems += self._restorable(state)
         return problems
+
+    def _restorable(self, state: Mapping[str, Any]) -> list[str]:
+        """What would fail as load_state_dict assigns the outer optimizer's state and the exchanges
+        in flight, found before any rank assigns anything (a damaged file on one rank)."""
+        shapes = [tuple(g.shape) for g in self._global]
+        # Loaded into an optimizer over shapeless stand-ins: torch's own checks, no memory.
+        stand_ins = [torch.empty_like(g, device="meta") for g in self._global]
+        try:
+            torch.optim.SGD(stand_ins, lr=1.0).load_state_dict(state["outer_optimizer"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            return [f"its outer optimizer's state cannot be loaded ({type(error).__name__}: {error})"]
+        buffers = {
+            int(k): tuple(v["momentum_buffer"].shape)
+            for k, v in state["outer_optimizer"]["state"].items()
+            if v.get("momentum_buffer") is not None
+        }
+        pending = {int(k): (v["due"], tuple(v["average"].shape)) for k, v in state["pending"].items()}
+        if any(shape != shapes[k] for k, shape in buffers.items()) or any(
+            not isinstance(due, int) or shape != shapes[k] for k, (due, shape) in pending.items()
+        ):
+            return ["its outer momentum or its exchanges in flight are not shaped as the fragments: damaged"]
+        return []
 
 
 def check_options(

@@ -60,6 +60,9 @@ class Feedback:
 
     uses_local: ClassVar[bool] = False  # whether update() calls `local` (or `remove_local_`)
     reads_gradient: ClassVar[bool] = False  # whether update() reads the values of `g`
+    # Whether the memory holds back part of the update as such (residual feedback), so that
+    # rescale() scales it and a later gradient takes it back; EF21's and EControl's mirrors do not.
+    holds_back: ClassVar[bool] = False
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         return g.div_(world_size) if world_size != 1 else g
@@ -148,6 +151,7 @@ class ErrorFeedback(Feedback):
     """
 
     uses_local = True
+    holds_back = True
 
     def __init__(self) -> None:
         self.error: torch.Tensor | None = None

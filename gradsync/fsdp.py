@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from torch import nn
 from . import exchange, feedback
 from .comm import Comm, TorchComm
 from .config import SyncConfig
+from .strategy import Strategy
 from .sync import SyncState, is_finite
 
 try:  # FSDP2 with a custom reduce-scatter: recent torch only (the DDP path needs none of it)
@@ -79,7 +81,9 @@ class ShardedState(SyncState):
             )
         self._comm()
         if not self._ranks_agree:
-            self._check_ranks_agree(x.device)
+            # Among the ranks of this reduction, who reach it together: under pipeline
+            # parallelism the other stages' ranks may be waiting on this one's activations.
+            self._check_ranks_agree(x.device, comm)
         step = self._calls.get(group, self._resumed_at)
         self._calls[group] = step + 1
         self.step = max(self.step, step + 1)
@@ -161,11 +165,19 @@ class ShardedState(SyncState):
             ]
         return found
 
-    def _restore(self, state: Any) -> None:
-        super()._restore(state)
-        self._calls, self._replica_calls, self._resumed_at = {}, {}, self.step
-        if self.replica_state is not None:
-            self.replica_state._restore(state["replicas"])
+    def _prepare_restore(
+        self, state: Any, strategies: Sequence[Strategy] | None = None
+    ) -> Callable[[], None]:
+        restore = super()._prepare_restore(state, strategies)
+        replicas = self.replica_state._prepare_restore(state["replicas"]) if self.replica_state else None
+
+        def assign() -> None:
+            restore()
+            self._calls, self._replica_calls, self._resumed_at = {}, {}, self.step
+            if replicas is not None:
+                replicas()
+
+        return assign
 
 
 class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]

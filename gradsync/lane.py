@@ -32,9 +32,10 @@ class Lane:
 
     drain() returns once every program asked for has issued all its collectives: the hook calls it
     at a step's last bucket, so nothing of gradsync is still being issued when DDP or the user
-    issue collectives of their own. After a program fails, every later one fails with its error:
-    its peers are gone, and waiting for each collective's timeout in turn would only delay the
-    error.
+    issue collectives of their own. After a program fails as it issues (a collective it waited
+    on failed), every later one fails with its error: its peers are gone, and waiting for each
+    collective's timeout in turn would only delay the error. A collective that fails later,
+    through the future a program returned, fails that exchange alone (SyncState names it).
     """
 
     def __init__(self) -> None:

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -80,9 +80,11 @@ class CompressionPoint:
         }
 
     def rescale(self, ratio: float) -> None:
-        """Scale every memory that holds back part of the update (Feedback.rescale)."""
+        """Scale every memory that holds back part of the update (Feedback.rescale). The shard's
+        re-encoding memory too where the form's own memory holds back (residual feedback); under
+        EF21 it is what the broadcast mirror lacks of the ranks' mirrors' sum, unscaled as they are."""
         self.feedback.rescale(ratio)
-        if self.shard_error is not None:
+        if self.shard_error is not None and type(self.feedback).holds_back:
             self.shard_error.mul_(ratio)
 
     def held_back(self, rank: int, world_size: int) -> torch.Tensor | None:
@@ -315,6 +317,15 @@ class SyncState:
         mine, problems = checkpoint.own_part(state, self._key_rank, getattr(self, "_device", None))
         if mine is not None:
             problems += self._state_problems(mine)
+        restore: Callable[[], None] | None = None
+        if mine is not None and not problems:
+            try:
+                restore = self._prepare_restore(mine)
+            except Exception as error:  # a damaged entry a codec or plan refuses: refused everywhere
+                problems.append(
+                    f"its saved state cannot be rebuilt ({type(error).__name__}: {error}): the file is "
+                    "damaged; resume from an earlier checkpoint"
+                )
         reports = allgather_object(
             comm, (problems, mine["step"] if mine and not problems else None), collective_device(comm)
         )
@@ -328,8 +339,8 @@ class SyncState:
                 for rank, found in refused.items()
             )
             raise ValueError(f"gradsync: load_state_dict refused, nothing was loaded:\n{lines}")
-        assert mine is not None
-        self._restore(mine)
+        assert restore is not None
+        restore()
 
     def __getstate__(self) -> dict[str, Any]:
         # The process group and the model cannot be pickled; everything else can. A state bound to
@@ -358,15 +369,16 @@ class SyncState:
         started = time.perf_counter()
         if not strategy.compressed:
             x.div_(comm.world_size)
-            self._add_carried(x, params)
+            carried = self._add_carried(x, params)
             tables = self._tables(params, x.numel(), strategy)
             future = exchange.uncompressed(x, route, tables, strategy.scheme)
             shown = self.plan is None or compress  # a plan's warm-up runs DDP's buckets, not its groups
-            return then(
-                future,
-                lambda result: self._record(result, x, group, step, strategy, None, started, shown),
-                x.device,
-            )
+
+            def done(result: exchange.Exchanged) -> torch.Tensor:
+                self._keep_carried(carried, x)
+                return self._record(result, x, group, step, strategy, None, started, shown)
+
+            return then(future, done, x.device)
         if not self._compressing:
             self._compressing = True
             log.info(
@@ -391,11 +403,12 @@ class SyncState:
         # (int8, int4 by two-shot): p is computed as it is encoded.
         fuse = strategy.collective == "two-shot" and type(point.codec).fuses_feedback and not self._carry
         deferred = point.feedback.defer(x, comm.world_size) if finite and fuse else None
+        carried: dict[int, torch.Tensor] = {}  # what a plan given up carries into this step
         if deferred is not None:  # nothing carried (fuse), and p not yet written
             p, corrected = deferred
         else:
             p, corrected = point.feedback.prepare(x, comm.world_size) if finite and divisor == 1 else x, None
-            self._add_carried(p, params)
+            carried = self._add_carried(p, params)
         # The sum is decoded into `x`, as PyTorch's own hooks return the bucket they were given (a
         # fresh full-size tensor costs as much in page faults as a copy), wherever nothing reads `x`
         # afterwards: what was compressed is another tensor, or its decode is not needed again.
@@ -424,6 +437,7 @@ class SyncState:
                 out = x.fill_(math.nan)  # the average is NaN on every rank: AMP's GradScaler skips it
             else:
                 out = point.feedback.update(x, p, result.local, result.total, result.remove_local_)
+            self._keep_carried(carried, out)
             return self._record(result, out, group, step, strategy, point, started)
 
         return then(future, finish, x.device)
@@ -481,17 +495,27 @@ class SyncState:
                 held = self._carry.get(param)
                 self._carry[param] = part if held is None else held.add_(part)
 
-    def _add_carried(self, x: torch.Tensor, params: Sequence[int] | None) -> None:
-        """x += what is carried for its parameters (in buffer order), which is then used up."""
+    def _add_carried(self, x: torch.Tensor, params: Sequence[int] | None) -> dict[int, torch.Tensor]:
+        """x += what is carried for its parameters (in buffer order), which is then used up;
+        returned, for a step found non-finite to put back (the average is NaN: it would be lost)."""
+        taken: dict[int, torch.Tensor] = {}
         if not self._carry or params is None:
-            return
+            return taken
         flat, offset = x.view(-1), 0
         for param in params:
             numel = self._param_shapes[param].numel()
             held = self._carry.pop(param, None)
             if held is not None:
                 flat[offset : offset + numel].add_(held.view(-1).to(x.dtype))
+                taken[param] = held
             offset += numel
+        return taken
+
+    def _keep_carried(self, carried: dict[int, torch.Tensor], average: torch.Tensor) -> None:
+        """Where the step's `average` is not finite (the same on every rank: alike everywhere),
+        the optimizer skips it, and what was `carried` into it goes into the next step instead."""
+        if carried and not is_finite(average):
+            self._carry.update(carried)
 
     def _record(
         self,
@@ -656,13 +680,21 @@ class SyncState:
         (Compressor.warms_up), so that the warm-up follows training, not the codec's age."""
         return max(0, step - self.config.warmup_steps)
 
-    def _new_point(self, group: int, numel: int, params: Sequence[int] | None) -> CompressionPoint:
-        """A fresh point: config.compressor for a bucket, the strategy's codec for a plan group;
-        told the shapes of the group's parameters where known and the codec uses them."""
-        if self.plan is None:
+    def _new_point(
+        self,
+        group: int,
+        numel: int,
+        params: Sequence[int] | None,
+        strategies: Sequence[Strategy] | None = None,
+    ) -> CompressionPoint:
+        """A fresh point: config.compressor for a bucket, the strategy's codec for a plan group
+        (of `strategies`, a plan's, where given: [] for none; else the plan in use); told the
+        shapes of the group's parameters where known and the codec uses them."""
+        strategies = self._strategies if strategies is None else strategies
+        if not strategies:
             name, args = self.config.compressor, dict(self.config.compressor_args)
         else:
-            strategy = self._strategies[group]
+            strategy = strategies[group]
             name, args = strategy.codec, dict(strategy.args)
         rank = self._comm().rank if lookup(name).randomness == "local" else 0
         codec = build_codec(name, args, seed=_derive_seed(self.config.seed, group, rank))
@@ -673,13 +705,14 @@ class SyncState:
         kept = tuple(params) if shaped and params is not None else None  # shapes come from params
         return CompressionPoint(numel, codec, self.config.build_feedback(name), kept)
 
-    def _check_ranks_agree(self, device: torch.device) -> None:
+    def _check_ranks_agree(self, device: torch.device, comm: Comm | None = None) -> None:
         """Fail on every rank, with the same message, when ranks were configured differently.
 
         Runs on the first call, before any gradient is exchanged, so that differing settings
         (warm-up length, compressor) can never make ranks issue different collectives and hang.
+        `comm`: the ranks that exchange with this one (default: the state's).
         """
-        fingerprints = allgather_object(self._comm(), self.config.fingerprint(), device)
+        fingerprints = allgather_object(comm or self._comm(), self.config.fingerprint(), device)
         self._ranks_agree = True
         if len(set(fingerprints)) > 1:
             raise ValueError(
@@ -705,29 +738,41 @@ class SyncState:
         comm = self._comm()
         return checkpoint.problems(state, comm.world_size, self.config.to_dict(), self._shapes_digest)
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
-        # The points are built before anything is assigned: a codec refusing its saved state
-        # leaves this state as it was.
+    def _prepare_restore(
+        self, state: Mapping[str, Any], strategies: Sequence[Strategy] | None = None
+    ) -> Callable[[], None]:
+        """Restoring `state` in two halves: everything it builds is built here, where a damaged
+        entry (a codec refusing its saved state) raises before anything is assigned, inside
+        load_state_dict's check that every rank runs; the function returned assigns what was
+        built and cannot fail, so that every rank restores or none does. `strategies`: the plan
+        the saved points belong to (see _new_point)."""
         points = {}
         for index, saved in state["points"].items():
             # Checkpoints before shaped codecs name no params: their codecs saw flat groups.
             params = saved.get("params")
-            point = self._new_point(int(index), saved["numel"], None if params is None else tuple(params))
+            kept = None if params is None else tuple(params)
+            point = self._new_point(int(index), saved["numel"], kept, strategies)
             point.codec.load_state_dict(saved["codec"])
             point.feedback.load_state_dict(saved["feedback"])
             point.shard_error = saved.get("shard_error")  # absent from checkpoints before two-shot
             rates = saved.get("rates")  # absent from checkpoints before memories followed the rate
             point.rates = None if rates is None else tuple(rates)
             points[int(index)] = point
-        self.step, self.points = state["step"], points
-        self.layout = {int(index): tuple(params) for index, params in state["layout"].items()}
-        self.sparse.load_state_dict(state["sparse"])
-        self._layout_checked = set()
-        self._regroup = None
-        log.info(
-            "gradsync: restored on rank %d at step %d: %d compression point(s), %d group(s) as saved",
-            *(self.rank, self.step, len(self.points), len(self.layout)),
-        )
+        layout = {int(index): tuple(params) for index, params in state["layout"].items()}
+        choices = Router.saved_choices(state["sparse"])
+        step = state["step"]
+
+        def assign() -> None:
+            self.step, self.points, self.layout = step, points, layout
+            self.sparse.selector.choices = choices
+            self._layout_checked = set()
+            self._regroup = None
+            log.info(
+                "gradsync: restored on rank %d at step %d: %d compression point(s), %d group(s) as saved",
+                *(self.rank, self.step, len(self.points), len(self.layout)),
+            )
+
+        return assign
 
 
 def _key(planned: bool, group: int) -> str:

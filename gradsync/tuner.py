@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from . import levels, profile
 from .autoplan import CANDIDATES, Measured, candidates, codec_specs, runoff
@@ -92,14 +93,23 @@ class StepTimer:
     that one too."""
 
     def __init__(self, model: DistributedDataParallel) -> None:
+        self.model = model
         self.params = list(model.parameters())
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        self._start: RemovableHandle | None = None
+        self._handles: list[RemovableHandle] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Start afresh: nothing noted, every hook on (again, where stop_gradients() or close()
+        removed them: a state restored in the same process to a phase that still times steps)."""
+        self.close()
         self.forward_start: list[float] = []
         self.forward_end: list[float] = []
         self.ready: list[dict[int, float]] = []  # per step: parameter position -> when
         self.synced: dict[int, float] = {}  # forward pass -> when its step's last exchange completed
-        self._start = model.register_forward_pre_hook(self._forward_started)
-        self._handles = [model.register_forward_hook(self._forward_ended)]
+        self._start = self.model.register_forward_pre_hook(self._forward_started)
+        self._handles = [self.model.register_forward_hook(self._forward_ended)]
         for index, p in enumerate(self.params):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._ready_hook(index)))
@@ -126,7 +136,9 @@ class StepTimer:
 
     def close(self) -> None:
         self.stop_gradients()
-        self._start.remove()
+        if self._start is not None:
+            self._start.remove()
+            self._start = None
 
     def timeline(self, steps: Sequence[int]) -> tuple[float, float, float, dict[int, float]]:
         """(forward_s, backward_s, optimizer_s, ready_s per parameter) of the training steps
@@ -344,32 +356,55 @@ class AutoState(SyncState):
         problems = super()._state_problems(state)
         if "auto" not in state:
             problems.append("it lacks 'auto': it was not saved by a run with SyncConfig(plan='auto')")
+        elif any(
+            isinstance(t, torch.Tensor) and t.is_floating_point() and not t.isfinite().all()
+            for t in state["auto"].get("carry", {}).values()
+        ):
+            problems.append(
+                "what it carries into the next step holds NaN or inf: it would poison every later "
+                "step; resume from an earlier checkpoint"
+            )
         return problems
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
+    def _prepare_restore(
+        self, state: Mapping[str, Any], strategies: Sequence[Strategy] | None = None
+    ) -> Callable[[], None]:
         auto = state["auto"]
-        self.candidates = [Plan.from_dict(p) for p in auto["candidates"]]
-        self.probe_from = auto["probe_from"]
+        candidates = [Plan.from_dict(p) for p in auto["candidates"]]
+        plan = Plan.from_dict(auto["plan"]) if auto["plan"] is not None else None
         # A checkpoint of a version without runoffs tried the candidates in their order.
-        self.order = list(auto.get("order", range(len(self.candidates))))
-        self.probe_s = {int(c): list(times) for c, times in auto["probe_s"].items()}
+        order = list(auto.get("order", range(len(candidates))))
+        probe_s = {int(c): list(times) for c, times in auto["probe_s"].items()}
+        probe_from, adopted_at = auto["probe_from"], auto["adopted_at"]
         # Older checkpoints timed whole steps, from one forward pass to the next: nothing is added.
-        self.between_s = auto.get("between_s", 0.0 if self.probe_s else math.inf)
-        self.adopted_at = auto["adopted_at"]
-        if self.probe_from is None:  # saved before the candidates were made: measure afresh
-            self.measure_from = state["step"]
-        if auto["plan"] is not None:
-            self.use_plan(Plan.from_dict(auto["plan"]))
-        else:
-            self.plan, self._strategies = None, []
-        super()._restore(state)  # the points of the plan in use, and the step
-        self._carry = {int(p): t.clone() for p, t in auto["carry"].items()}
-        self._started = -1
-        self._forward.clear()  # a step before the restore's is never counted as one after it
-        if self.done:  # as _adopt leaves it: no more forward passes noted, one a step otherwise
-            self.timer.close()
-        elif self.probe_from is not None:
-            self.timer.stop_gradients()
+        between_s = auto.get("between_s", 0.0 if probe_s else math.inf)
+        carry = {int(p): t.clone() for p, t in auto["carry"].items()}
+        # The points saved are those of the plan in use (none: config.compressor's, measuring).
+        restore = super()._prepare_restore(state, list(plan.strategies) if plan is not None else [])
+
+        def assign() -> None:
+            self.candidates, self.order, self.probe_s = candidates, order, probe_s
+            self.probe_from, self.between_s, self.adopted_at = probe_from, between_s, adopted_at
+            # Saved before the candidates were made (no probe_from): measured afresh from here.
+            self.measure_from = state["step"] if probe_from is None else auto.get("measure_from", 0)
+            if plan is not None:
+                self.use_plan(plan)
+            else:
+                self.plan, self._strategies = None, []
+            restore()  # the points of the plan in use, and the step
+            self._carry = carry
+            self._started = -1
+            # A step before the restore's is never counted as one after it; the timer's hooks are
+            # as the phase restored has them (_adopt closes it, _make_candidates keeps the forward
+            # pass's start), also where an earlier phase in this process removed them.
+            self._forward.clear()
+            self.timer.reset()
+            if self.done:
+                self.timer.close()
+            elif probe_from is not None:
+                self.timer.stop_gradients()
+
+        return assign
 
     def _strategy(self, group: int, numel: int, step: int, compress: bool) -> Strategy:
         if self.plan is None:  # measuring: nothing is compressed before a candidate runs

@@ -190,10 +190,13 @@ def delayed(compressor: str, **options: Any) -> tuple[nn.Module, torch.optim.Opt
     return net, optimizer, outer
 
 
-@pytest.mark.parametrize("compressor", ["none", "int8"])
-def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(compressor: str) -> None:
+# int4's error memories resume too (alpha 0: with alpha > 0 no memory is kept, see DiLoCo).
+@pytest.mark.parametrize(("compressor", "alpha"), [("none", 0.5), ("int8", 0.5), ("int4", 0.0)])
+def test_a_resumed_run_continues_bit_identically_with_an_exchange_in_flight(
+    compressor: str, alpha: float
+) -> None:
     def make() -> tuple[nn.Module, torch.optim.Optimizer, gradsync.DiLoCo]:
-        return delayed(compressor, alpha=0.5)
+        return delayed(compressor, alpha=alpha)
 
     def batches(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
         train(net, optimizer, steps, features=256, size=16)
@@ -287,6 +290,12 @@ def test_close_stops_counting_inner_steps() -> None:
     assert not torch.equal(local[0][0], local[1][0])  # training went on, unsynced
 
 
+def test_with_alpha_the_automatic_feedback_keeps_no_memory_the_local_lead_would_send_again() -> None:
+    mixed, replaced = delayed("int4", alpha=0.5)[2], delayed("int4")[2]
+    assert type(replaced.sync_state.config.build_feedback()).holds_back  # int4's own: residual
+    assert not type(mixed.sync_state.config.build_feedback()).holds_back
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
@@ -295,6 +304,7 @@ def test_close_stops_counting_inner_steps() -> None:
         ({"sync_every": 4, "fragments": 0}, ["fragments=0"]),
         ({"sync_every": 4, "delay": 4}, ["delay=4", "[0, 3]"]),
         ({"alpha": 1.5}, ["alpha=1.5", "[0, 1]"]),
+        ({"alpha": 0.5, "compressor": "int4", "error_feedback": "ef"}, ["alpha=0.5", "'ef'", "'none'"]),
         ({"outer_lr": 0.0}, ["outer_lr=0.0", "Local SGD"]),
         ({"outer_momentum": 1.0}, ["outer_momentum=1.0", "[0, 1)"]),
         ({"compressor": "nope"}, ["nope"]),
@@ -339,3 +349,24 @@ def test_a_state_of_other_options_is_refused_and_nothing_is_loaded() -> None:
         other.load_state_dict({"format": 2})
     with pytest.raises(ValueError, match="not a gradsync DiLoCo state"):
         other.load_state_dict(["not", "a", "mapping"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("damage", ["outer optimizer", "momentum", "in flight"])
+def test_a_damaged_outer_state_is_refused_before_anything_is_loaded(damage: str) -> None:
+    # Found before the error memories are loaded: a rank must restore all of it or none.
+    net, optimizer, outer = delayed("int4")
+    train(net, optimizer, range(6), features=256, size=16)
+    saved = copy.deepcopy(outer.state_dict())
+    assert saved["pending"] and saved["outer_optimizer"]["state"]
+    if damage == "outer optimizer":
+        saved["outer_optimizer"]["param_groups"][0]["params"].append(7)
+    elif damage == "momentum":
+        saved["outer_optimizer"]["state"][0]["momentum_buffer"] = torch.zeros(3)
+    else:
+        (pending,) = saved["pending"].values()
+        pending["average"] = pending["average"][:-1]
+    fresh = delayed("int4")[2]
+    found = r"(?s)nothing was loaded.*(outer optimizer's state cannot be loaded|not shaped as the fragments)"
+    with pytest.raises(ValueError, match=found):
+        fresh.load_state_dict(saved)
+    assert fresh.step == 0 and fresh.sync_state.step == 0 and not fresh.sync_state.points

@@ -136,9 +136,13 @@ class Router:
         return {"choices": {k: (c.scheme, c.decided_at_step) for k, c in self.selector.choices.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Schemes sum in different orders, so a resumed run must keep the original's choices to
-        # continue its exact trajectory.
-        self.selector.choices = {k: Choice(s, at, None) for k, (s, at) in state["choices"].items()}
+        self.selector.choices = self.saved_choices(state)
+
+    @staticmethod
+    def saved_choices(state: dict[str, Any]) -> dict[str, Choice]:
+        """The choices a state_dict() holds. Schemes sum in different orders, so a resumed run
+        must keep the original's choices to continue its exact trajectory."""
+        return {key: Choice(scheme, at, None) for key, (scheme, at) in state["choices"].items()}
 
     def _run(self, scheme: str, rows: SparseRows, comm: Comm, finite: bool) -> SparseResult:
         partition = (

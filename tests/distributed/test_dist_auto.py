@@ -5,7 +5,7 @@
 - A checkpoint taken in any phase resumes there: one taken while measuring measures afresh and
   plans; one taken while probing, at the first round's end or in the runoff goes on probing the
   same candidates in the same order; one taken after adoption continues the exact same trajectory,
-  bit for bit.
+  bit for bit. One whose plan is damaged on one rank is refused on both, and neither takes any of it.
 
 Every runner-up is made close (RUNOFF_MARGIN infinite on the ranks), so that every run has a runoff
 and the phases fall on known steps; whether real times call one is tested in tests/test_autoplan.py
@@ -24,7 +24,7 @@ from dist_harness import batch, config, ddp, flat_params, make_mlp, run_ranks, s
 from torch import nn
 
 import gradsync
-from gradsync import autoplan, tuner
+from gradsync import autoplan, checkpoint, tuner
 from gradsync.plan import Plan
 
 WORLD = 2
@@ -85,7 +85,7 @@ def _noted(state: tuner.AutoState) -> tuple[int, int]:
     return len(state.timer.forward_start), len(state._forward)
 
 
-def _restored_runs(rank: int, world_size: int, saved: list[dict[int, bytes]]) -> dict[int, dict[str, Any]]:
+def _restored_runs(rank: int, world_size: int, saved: list[dict[int, bytes]]) -> dict[Any, dict[str, Any]]:
     """From each of this rank's checkpoints, a fresh model and state trained on to STEPS."""
     autoplan.RUNOFF_MARGIN = math.inf
     out = {}
@@ -106,7 +106,29 @@ def _restored_runs(rank: int, world_size: int, saved: list[dict[int, bytes]]) ->
             "params": flat_params(model),
             "noted": [restored, _noted(state)],
         }
+    # The last, restored after adoption (its timer closed), rolled back in this process to the
+    # measuring phase (a loss spike's rollback): it times, plans and adopts again.
+    assert step == SAVE_AT["adopted"]
+    checkpoint = torch.load(io.BytesIO(saved[rank][SAVE_AT["measuring"]]), weights_only=False)
+    model.load_state_dict(checkpoint["model"])
+    state.load_state_dict(checkpoint["gradsync"])
+    opt.load_state_dict(checkpoint["opt"])
+    _steps(model, opt, rank, range(SAVE_AT["measuring"], STEPS))
+    out["rolled back"] = {"auto": state.stats()["auto"]}
     return out
+
+
+def _load_damaged_plan(rank: int, world_size: int, saved: list[dict[int, bytes]]) -> dict[str, Any]:
+    """Rank 1's checkpoint taken after adoption, its plan damaged, loaded on every rank."""
+    own, _ = checkpoint.own_part(torch.load(io.BytesIO(saved[rank][SAVE_AT["adopted"]]))["gradsync"], rank)
+    if rank == 1:
+        plan = {**own["auto"]["plan"], "groups": [{"params": [0]}]}  # no numel, no strategy
+        own = {**own, "auto": {**own["auto"], "plan": plan}}
+    state = gradsync.register(ddp(make_mlp(0)), config(plan="auto", **CODEC))
+    with pytest.raises(ValueError) as refused:
+        state.load_state_dict(checkpoint.pack(own, rank))
+    taken = (state.step, state.plan, state.candidates, state.adopted_at, state.points)
+    return {"message": str(refused.value), "taken": taken}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +189,11 @@ def test_a_checkpoint_resumes_plan_auto_in_the_phase_it_was_taken(auto_runs: lis
     measuring = restored[SAVE_AT["measuring"]]["auto"]
     assert measuring["measured_from_step"] == SAVE_AT["measuring"]
     assert measuring["adopted_at_step"] is not None and restored[SAVE_AT["measuring"]]["plan"] is not None
+    # The same in the process that had adopted: its timer's hooks are back, its steps timed anew.
+    rolled = restored["rolled back"]["auto"]
+    assert rolled["measured_from_step"] == SAVE_AT["measuring"]
+    assert rolled["adopted_at_step"] == measuring["adopted_at_step"]
+    assert all(0 < t < 60 for c in rolled["candidates"] for t in c["measured_s"])
     # Taken while probing: the same candidates in the same order, the counted times kept, adopted
     # once the rest are tried. The runoff's pair is the resumed run's to pick where the checkpoint
     # came before it was picked (the times after the checkpoint are the resumed run's own, and the
@@ -191,6 +218,16 @@ def test_a_checkpoint_resumes_plan_auto_in_the_phase_it_was_taken(auto_runs: lis
     assert adopted["auto"]["adopted_at_step"] == auto["adopted_at_step"]
     assert torch.equal(adopted["params"], saved_run["params"])
     assert adopted["noted"][0] == adopted["noted"][1]
+
+
+def test_a_plan_damaged_on_one_rank_is_refused_on_every_rank_and_none_takes_any_of_it(
+    auto_runs: list[dict],
+) -> None:
+    runs = run_ranks(_load_damaged_plan, WORLD, args=([r["saved"] for r in auto_runs],), timeout_s=120)
+    for rank, run in enumerate(runs):
+        assert "nothing was loaded" in run["message"], run["message"]
+        assert "rank 1: its saved state cannot be rebuilt (ValueError: plan group 0" in run["message"]
+        assert run["taken"] == (0, None, [], None, {}), f"rank {rank} took part of the checkpoint"
 
 
 def test_nothing_more_is_noted_of_the_steps_once_a_plan_is_adopted(auto_runs: list[dict]) -> None:

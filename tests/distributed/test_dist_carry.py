@@ -4,7 +4,8 @@ what the old plan's memories held back into the next step's gradients, on real g
 int4 by two-shot, whose owners keep a second memory of the shard they re-encode, then a plan of
 other groups and codecs: nothing is lost. The sum of the averages every rank applied, plus every
 memory the new plan holds at the end, is the sum of the true averages, the owners' memories of
-the old plan included.
+the old plan included; also where the first step of the new plan is non-finite on one rank (an AMP
+overflow) and skipped: what was carried into it goes into the next.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def rank_gradient(rank: int, step: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(rank * 1_000 + step))
 
 
-def _train(rank: int, world: int, carry: bool) -> dict:
+def _train(rank: int, world: int, carry: bool, skip: int | None = None) -> dict:
     model = _model()
     numel = sum(p.numel() for p in model.parameters())
     before = _plan(model, [((0, 1, 2, 3), "int4")])
@@ -51,9 +52,15 @@ def _train(rank: int, world: int, carry: bool) -> dict:
     state.use_plan(after, carry=carry)
     for step in range(STEPS_EACH, 2 * STEPS_EACH):
         g = rank_gradient(rank, step, numel)
+        if step == skip and rank == 1:
+            g[[0, 2040]] = float("inf")  # in both groups: the whole step is skipped, as GradScaler does
         first = state.sync(g[:2040].clone(), 0, False, params=[0, 1]).wait().double()
         second = state.sync(g[2040:].clone(), 1, True, params=[2, 3]).wait().double()
-        applied += torch.cat([first, second])
+        average = torch.cat([first, second])
+        if step != skip:
+            applied += average
+        elif average.isfinite().any():
+            raise AssertionError(f"step {step}'s average should be NaN on every rank")
     held = torch.cat([state.points[g].held_back(rank, world).double() for g in (0, 1)])  # type: ignore[union-attr]
     return {
         "applied": applied,
@@ -64,31 +71,39 @@ def _train(rank: int, world: int, carry: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[bool, list[dict]]:
-    return {carry: run_ranks(_train, WORLD, args=(carry,), timeout_s=120) for carry in (True, False)}
+def runs() -> dict[str, list[dict]]:
+    return {
+        "carried": run_ranks(_train, WORLD, args=(True,), timeout_s=120),
+        "dropped": run_ranks(_train, WORLD, args=(False,), timeout_s=120),
+        "skipped": run_ranks(_train, WORLD, args=(True, STEPS_EACH), timeout_s=120),
+    }
 
 
-def _wanted(numel: int) -> torch.Tensor:
+def _wanted(numel: int, skip: int | None = None) -> torch.Tensor:
     return sum(
         sum(rank_gradient(r, step, numel).double() for r in range(WORLD)) / WORLD
         for step in range(2 * STEPS_EACH)
+        if step != skip
     )
 
 
-def test_a_plan_adopted_with_carry_loses_nothing_the_old_plan_held_back(runs: dict[bool, list[dict]]) -> None:
-    carried = runs[True]
+@pytest.mark.parametrize("case", ["carried", "skipped"])
+def test_a_plan_adopted_with_carry_loses_nothing_the_old_plan_held_back(
+    runs: dict[str, list[dict]], case: str
+) -> None:
+    carried = runs[case]
     assert all(out["collectives"] == ["two-shot", "two-shot"] for out in carried)
     assert all(out["owned_at_switch"] > 0 for out in carried), "the owners' memories must count"
     for out in carried:
         assert torch.equal(out["applied"], carried[0]["applied"])  # every rank applied the same
-    wanted = _wanted(carried[0]["applied"].numel())
+    wanted = _wanted(carried[0]["applied"].numel(), STEPS_EACH if case == "skipped" else None)
     held = sum(out["held"] for out in carried)
     torch.testing.assert_close(carried[0]["applied"] + held, wanted, rtol=0, atol=1e-5)
 
 
-def test_without_carry_what_the_old_plan_held_back_is_lost(runs: dict[bool, list[dict]]) -> None:
+def test_without_carry_what_the_old_plan_held_back_is_lost(runs: dict[str, list[dict]]) -> None:
     # The reference that shows the first test can tell: the same run, its memories dropped.
-    dropped = runs[False]
+    dropped = runs["dropped"]
     wanted = _wanted(dropped[0]["applied"].numel())
     held = sum(out["held"] for out in dropped)
     assert float((dropped[0]["applied"] + held - wanted).abs().max()) > 1e-3

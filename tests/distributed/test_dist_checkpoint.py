@@ -136,6 +136,7 @@ REFUSALS = {
     "another step's": r"different steps \{0: 4, 1: 3\}",
     "a non-finite memory": r"rank 1: its group 0 feedback error hold NaN or inf",
     "missing keys": r"lacks \['points'\]",
+    "a memory its feedback refuses": r"rank 1: its saved state cannot be rebuilt \(ValueError: .* keys \[\]",
     "damaged bytes": r"its entry for rank \d cannot be read",
     "a negative step": r"step is -5",
     "another model": r"a model with other parameters",
@@ -155,12 +156,15 @@ def bad_checkpoints(rank: int, world_size: int) -> dict:
     own, _ = checkpoint.own_part(at_4, rank)  # unpacked, to be damaged
     error = own["points"][0]["feedback"]["error"]
     no_points = {k: v for k, v in own.items() if k != "points"}
+    no_error = {**own, "points": {0: {**own["points"][0], "feedback": {}}}}
     nan = {**own, "points": {0: {**own["points"][0], "feedback": {"error": error * float("nan")}}}}
     bad = {
         "another rank's": {"format": everyone["format"], "rank 0": everyone["rank 0"]},
         "another step's": at_4 if rank == 0 else at_3,
         "a non-finite memory": checkpoint.pack(nan, rank) if rank == 1 else at_4,
         "missing keys": checkpoint.pack(no_points, rank) if rank == 0 else at_4,
+        # Found only as rank 1 builds its points: rank 0, whose file is sound, restores nothing.
+        "a memory its feedback refuses": checkpoint.pack(no_error, rank) if rank == 1 else at_4,
         "damaged bytes": {**at_4, f"rank {rank}": at_4[f"rank {rank}"][:-9]},
         "a negative step": checkpoint.pack({**own, "step": -5}, rank),
         "another model": _run(rank, cfg, None, 0, range(3), model_width=40)[2].state_dict(),

@@ -3,7 +3,9 @@ a second memory, under SGD with a cosine decay.
 
 Nothing is lost in parameter units: the rate-weighted sum of the averages every rank applied,
 plus every rank's residual memory and every owner's memory of its re-encoded shard, at the rate
-they are held for, is the rate-weighted sum of the true averages.
+they are held for, is the rate-weighted sum of the true averages. Under EF21, whose mirrors
+estimate the gradient and hold nothing back, nothing is rescaled: the ranks' mirrors sum to the
+broadcast mirror plus the owners' shard memories at every rate.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ def rank_gradient(rank: int, step: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(rank * 1_000 + step))
 
 
-def _train(rank: int, world: int) -> dict:
+def _train(rank: int, world: int, feedback: str = "auto") -> dict:
     model = _model()
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     optimizer = torch.optim.SGD(params, lr=0.1)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS + 3)
-    state = SyncState(SyncConfig(warmup_steps=2, min_compress_numel=0), TorchComm(None), model)
+    config = SyncConfig(warmup_steps=2, min_compress_numel=0, error_feedback=feedback)
+    state = SyncState(config, TorchComm(None), model)
     applied, rates = torch.zeros(numel, dtype=torch.float64), []
     for step in range(STEPS):
         average = state.sync(
@@ -47,11 +50,12 @@ def _train(rank: int, world: int) -> dict:
         optimizer.step()  # no gradients set: only its rate matters here
         scheduler.step()
     point = state.points[0]
+    memories = {name: value.double() for name, value in point.feedback.state_dict().items()}
     return {
         "applied": applied,
         "rates": rates,
         "held_at": point.rates,
-        "error": point.feedback.error.double(),  # type: ignore[attr-defined]
+        **memories,  # "error" (residual feedback) or "h_local" and "h_mean" (EF21)
         "shard": point.shard_error.double(),  # type: ignore[union-attr]
         "collective": state.stats()["groups"][0]["collective"],
     }
@@ -77,6 +81,18 @@ def test_nothing_is_lost_in_parameter_units(runs: list[dict]) -> None:
     held = sum(out["error"] for out in runs) + torch.cat([out["shard"] for out in runs])
     assert float(torch.cat([out["shard"] for out in runs]).abs().max()) > 0  # the owners' memory counts
     torch.testing.assert_close(runs[0]["applied"] + rates[-1] * held, wanted, rtol=0, atol=1e-5)
+
+
+def test_under_ef21_the_mirrors_and_the_owners_memories_stay_whole_as_the_rate_decays() -> None:
+    # Each owner's re-encoding memory is what the broadcast mirror lacks of the ranks' mirrors'
+    # sum; scaling it with the rate (as residual memories are) would break that for good.
+    runs = run_ranks(_train, WORLD, args=("ef21",), timeout_s=120)
+    assert runs[0]["collective"] == "two-shot" and runs[0]["rates"][-1] < 0.5 * runs[0]["rates"][0]
+    shards = torch.cat([out["shard"] for out in runs])
+    assert float(shards.abs().max()) > 0
+    assert all(torch.equal(out["h_mean"], runs[0]["h_mean"]) for out in runs)
+    mirrors = sum(out["h_local"] for out in runs)
+    torch.testing.assert_close(mirrors - runs[0]["h_mean"], shards, rtol=0, atol=1e-5)
 
 
 def _train_sharded(rank: int, world: int) -> dict:
