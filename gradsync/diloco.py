@@ -28,7 +28,6 @@ import copy
 import itertools
 import json
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,9 +111,6 @@ class DiLoCo:
             it overlaps, issue collectives of your own (a metric's all_reduce) on another process
             group, or they may interleave with the exchange's differently on different ranks.
         alpha: weight of the local parameters when the new global ones are mixed in (0: replaced).
-            Above 0, error_feedback="auto" resolves to "none" and a residual form ("ef") is
-            refused: the local parameters' lead then keeps alpha of what compression held back,
-            which the error memory would send again.
         process_group: the ranks to average over (default: the world; a world of one without one).
 
     Every rank must call inner_optimizer.step() equally often: a step one rank skips (a GradScaler
@@ -151,31 +147,15 @@ class DiLoCo:
         sizes = [p.numel() for p in params]
         check_int("fragments", fragments, 1, sum(sizes), why="at most one per element of the model")
         self.sync_every, self.delay, self.alpha = sync_every, delay, float(alpha)
-        # With alpha > 0 the local parameters keep alpha of what compression drops: "auto" keeps
-        # no memory, and SyncConfig's warning that a biased codec without one loses it for good
-        # does not hold.
-        resolved = "none" if alpha > 0 and error_feedback == "auto" else error_feedback
-        with warnings.catch_warnings():
-            if resolved != error_feedback:
-                warnings.filterwarnings("ignore", "compressor .* is biased", UserWarning)
-            # warmup_steps=0: unlike DDP's buckets, a fragment's layout is fixed from the first sync.
-            config = SyncConfig(
-                compressor=compressor,
-                compressor_args=compressor_args or {},
-                error_feedback=resolved,
-                error_feedback_args=error_feedback_args or {},
-                warmup_steps=0,
-                seed=seed,
-            )
-        if alpha > 0 and type(config.build_feedback()).holds_back:
-            # After a sync the local parameters keep alpha of their lead over the new global
-            # ones, and that lead holds what compression held back: with the memory sending it
-            # again, it would move the global parameters (1 + alpha) times.
-            raise ValueError(
-                f"alpha={alpha} with error_feedback={error_feedback!r}: the local parameters keep "
-                "alpha of what compression held back, which the error memory sends again. Pass "
-                "error_feedback='auto' or 'none' with alpha > 0, or alpha=0 (DiLoCo's default)"
-            )
+        # warmup_steps=0: unlike DDP's buckets, a fragment's layout is fixed from the first sync.
+        config = SyncConfig(
+            compressor=compressor,
+            compressor_args=compressor_args or {},
+            error_feedback=error_feedback,
+            error_feedback_args=error_feedback_args or {},
+            warmup_steps=0,
+            seed=seed,
+        )
         comm: Comm = TorchComm(process_group) if dist.is_initialized() else LocalComm()
         self._check_ranks_agree(comm, config)
         self.sync_state = _OuterSyncState(config, comm, model)

@@ -316,7 +316,10 @@ class SyncState:
         comm = self._comm()
         mine, problems = checkpoint.own_part(state, self._key_rank, getattr(self, "_device", None))
         if mine is not None:
-            problems += self._state_problems(mine)
+            try:  # every rank must reach the comparison below, whatever its file holds
+                problems += self._state_problems(mine)
+            except Exception as error:
+                problems.append(f"it is not a whole gradsync state ({type(error).__name__}: {error})")
         restore: Callable[[], None] | None = None
         if mine is not None and not problems:
             try:
@@ -394,14 +397,18 @@ class SyncState:
         )
         # Where the payload shows a non-finite input by itself, the exchange's check finds it.
         finite = not guard or type(point.codec).reveals_nonfinite or is_finite(x)
+        # Whether a plan given up carries anything into this group: its own parameters decide, so
+        # that a step's put-back (_keep_carried, from another group's callback, whenever it runs
+        # on this rank) never changes how this step's other groups are encoded.
+        carries = bool(self._carry) and params is not None and any(p in self._carry for p in params)
         # p: what is compressed, from this rank's share x / n (the division first: low-precision
         # sums cannot overflow); error memory added. A non-finite gradient never enters a memory.
         # Where nothing is added, the codec takes x itself and divides as it compresses (a cast
         # in one pass, not two).
-        divisor = comm.world_size if type(point.feedback) is feedback.NoFeedback and not self._carry else 1
+        divisor = comm.world_size if type(point.feedback) is feedback.NoFeedback and not carries else 1
         # Residual feedback's add, the encode and the residual in one pass, where the codec can
         # (int8, int4 by two-shot): p is computed as it is encoded.
-        fuse = strategy.collective == "two-shot" and type(point.codec).fuses_feedback and not self._carry
+        fuse = strategy.collective == "two-shot" and type(point.codec).fuses_feedback and not carries
         deferred = point.feedback.defer(x, comm.world_size) if finite and fuse else None
         carried: dict[int, torch.Tensor] = {}  # what a plan given up carries into this step
         if deferred is not None:  # nothing carried (fuse), and p not yet written

@@ -272,6 +272,7 @@ class AutoState(SyncState):
         # Rank 0's measured compression errors, per parameter position and level (the planner's
         # budget); taken in the step after DDP's first, whose timing is not counted anyway.
         self._errors: dict[int, dict[str, float]] = {}
+        self._closed = False
 
     @property
     def done(self) -> bool:
@@ -280,6 +281,7 @@ class AutoState(SyncState):
     def close(self) -> None:
         super().close()
         self.timer.close()
+        self._closed = True  # a later restore leaves the model without timers too
 
     def start_step(self, step: int, last_bucket: Future | None = None) -> None:
         """At a step's first bucket: note its forward pass, and plan, probe or adopt where due."""
@@ -398,11 +400,12 @@ class AutoState(SyncState):
             # as the phase restored has them (_adopt closes it, _make_candidates keeps the forward
             # pass's start), also where an earlier phase in this process removed them.
             self._forward.clear()
-            self.timer.reset()
-            if self.done:
-                self.timer.close()
-            elif probe_from is not None:
-                self.timer.stop_gradients()
+            if not self._closed:
+                self.timer.reset()
+                if self.done:
+                    self.timer.close()
+                elif probe_from is not None:
+                    self.timer.stop_gradients()
 
         return assign
 

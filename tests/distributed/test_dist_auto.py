@@ -127,8 +127,13 @@ def _load_damaged_plan(rank: int, world_size: int, saved: list[dict[int, bytes]]
     state = gradsync.register(ddp(make_mlp(0)), config(plan="auto", **CODEC))
     with pytest.raises(ValueError) as refused:
         state.load_state_dict(checkpoint.pack(own, rank))
+    # A part its checks themselves trip on (a list where a dict belongs) is refused alike.
+    if rank == 1:
+        own = {**own, "auto": {**own["auto"], "carry": ["not", "a", "dict"]}}
+    with pytest.raises(ValueError) as tripped:
+        state.load_state_dict(checkpoint.pack(own, rank))
     taken = (state.step, state.plan, state.candidates, state.adopted_at, state.points)
-    return {"message": str(refused.value), "taken": taken}
+    return {"message": str(refused.value), "tripped": str(tripped.value), "taken": taken}
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +232,7 @@ def test_a_plan_damaged_on_one_rank_is_refused_on_every_rank_and_none_takes_any_
     for rank, run in enumerate(runs):
         assert "nothing was loaded" in run["message"], run["message"]
         assert "rank 1: its saved state cannot be rebuilt (ValueError: plan group 0" in run["message"]
+        assert "rank 1: it is not a whole gradsync state (AttributeError" in run["tripped"], run["tripped"]
         assert run["taken"] == (0, None, [], None, {}), f"rank {rank} took part of the checkpoint"
 
 
