@@ -72,9 +72,7 @@ def problems(
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         found.append(f"its step is {step!r}, not a count of steps >= 0: the file is damaged")
-    bad = sorted(
-        name for name, t in _tensors(state["points"]) if t.is_floating_point() and not t.isfinite().all()
-    )
+    bad = non_finite(state["points"])
     if bad:
         found.append(
             f"its {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} hold NaN or inf: a non-finite "
@@ -146,6 +144,12 @@ def onto(device: torch.device | None) -> Callable[[torch.UntypedStorage, str], t
         return storage
 
     return place
+
+
+def non_finite(tree: Any) -> list[str]:
+    """The paths of the floating-point tensors in `tree` (nested dicts and lists) that hold NaN or
+    inf: a memory that would poison every later step."""
+    return sorted(name for name, t in _tensors(tree) if t.is_floating_point() and not t.isfinite().all())
 
 
 def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -58,7 +58,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from . import levels, profile
+from . import checkpoint, levels, profile
 from .autoplan import CANDIDATES, Measured, candidates, codec_specs, runoff
 from .comm import Comm, allgather_object, for_ddp, then
 from .compress import PAST_WARMUP
@@ -358,10 +358,7 @@ class AutoState(SyncState):
         problems = super()._state_problems(state)
         if "auto" not in state:
             problems.append("it lacks 'auto': it was not saved by a run with SyncConfig(plan='auto')")
-        elif any(
-            isinstance(t, torch.Tensor) and t.is_floating_point() and not t.isfinite().all()
-            for t in state["auto"].get("carry", {}).values()
-        ):
+        elif checkpoint.non_finite(list(state["auto"].get("carry", {}).values())):
             problems.append(
                 "what it carries into the next step holds NaN or inf: it would poison every later "
                 "step; resume from an earlier checkpoint"
