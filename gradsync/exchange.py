@@ -414,6 +414,9 @@ def _sparse(
     encoded, values = payload
     numel = x.numel()
     rows = SparseRows(decode_indices(encoded, numel, values.numel()), values.view(-1, 1), numel)
+    # The values checked here, as _allgather checks every payload: the caller checked the
+    # gradient, and what was compressed (error memory added, DGC's accumulators) may not be finite.
+    finite = finite and _all_finite((values,))
     result = route.router.sync(route.key, rows, route.comm, route.step, finite, scheme=scheme)
     clock.lap("communicate")
     payload_nbytes = encoded.nbytes + values.nbytes

@@ -235,7 +235,13 @@ class SyncState:
         step = self._begin(is_last, buffer.device)
         where = f"{'group' if self.plan is not None and compress else 'bucket'} {group} at step {step}"
         with self._failures_named(where):
-            future = self._sync_group(buffer, group, step, compress, params)
+            try:
+                future = self._sync_group(buffer, group, step, compress, params)
+            except BaseException:
+                # Nothing of gradsync's may still be issuing when the caller's handler issues
+                # collectives of its own (a checkpoint): they would interleave differently per rank.
+                self.lane.drain()
+                raise
             # Nothing of gradsync's is still being issued when DDP or the user issue theirs.
             if is_last and drain:
                 self.lane.drain()
@@ -301,11 +307,13 @@ class SyncState:
         more than their own state (None: every rank gets it, world_size states in memory each)."""
         comm = self._comm()
         own = self.state_dict()
-        if to is None:
-            parts = allgather_object(comm, own, collective_device(comm))
-        else:
+        if to is not None:
             check_int("to", to, 0, comm.world_size - 1, why="a rank of the state's process group")
-            parts = gather_object(comm, own, to, collective_device(comm)) or []
+        with self._failures_named("full_state_dict", "nothing was saved"):
+            if to is None:
+                parts = allgather_object(comm, own, collective_device(comm))
+            else:
+                parts = gather_object(comm, own, to, collective_device(comm)) or []
         return {key: value for part in parts for key, value in part.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -329,9 +337,10 @@ class SyncState:
                     f"its saved state cannot be rebuilt ({type(error).__name__}: {error}): the file is "
                     "damaged; resume from an earlier checkpoint"
                 )
-        reports = allgather_object(
-            comm, (problems, mine["step"] if mine and not problems else None), collective_device(comm)
-        )
+        with self._failures_named("load_state_dict", "nothing was loaded"):
+            reports = allgather_object(
+                comm, (problems, mine["step"] if mine and not problems else None), collective_device(comm)
+            )
         refused = {rank: found for rank, (found, _) in enumerate(reports) if found}
         steps = {rank: step for rank, (_, step) in enumerate(reports)}
         if not refused and len(set(steps.values())) > 1:
@@ -594,20 +603,22 @@ class SyncState:
     def _begin(self, is_last: bool, device: torch.device) -> int:
         """The step this group belongs to; counts the step once its last group arrives."""
         if not self._ranks_agree:
-            self._check_ranks_agree(device)
+            with self._failures_named("the check that every rank has the same SyncConfig", "nothing was exchanged"):
+                self._check_ranks_agree(device)
         step = self.step
         if is_last:
             self.step += 1
         return step
 
     @contextlib.contextmanager
-    def _failures_named(self, where: str) -> Iterator[None]:
-        """A CollectiveError raised inside, with `where` (which bucket or group, which step) and
-        what to do added."""
+    def _failures_named(self, where: str, outcome: str = "") -> Iterator[None]:
+        """A CollectiveError raised inside, with `where` (which bucket or group, which step, or
+        which call) and what to do added; `outcome`: what the failure left undone, where not a
+        step's gradients."""
         try:
             yield
         except CollectiveError as error:
-            raise self._failure(error, where) from None
+            raise self._failure(error, where, outcome) from None
 
     def _named(self, future: Future[torch.Tensor], where: str) -> Future[torch.Tensor]:
         """`future`, with `where` and what to do added to a CollectiveError it fails with.
@@ -625,16 +636,16 @@ class SyncState:
 
         return future.then(check)
 
-    def _failure(self, error: CollectiveError, where: str) -> CollectiveError:
+    def _failure(self, error: CollectiveError, where: str, outcome: str = "") -> CollectiveError:
         if str(error).startswith("gradsync: "):
             return error  # named already (an inner exchange of this step)
         timeout = getattr(self.comm, "timeout", None)
         waited = f", here {timeout}" if timeout is not None else ""
+        outcome = outcome or "this step's gradients were not averaged and must not be applied"
         return CollectiveError(
             f"gradsync: {where}: {error}\nA peer rank died, or stalled past the process group's timeout "
-            f"(init_process_group(timeout=...){waited}). This step's gradients were not averaged and must "
-            "not be applied: stop every rank and resume from the last checkpoint (torchrun "
-            "--max-restarts restarts them)."
+            f"(init_process_group(timeout=...){waited}). {outcome[0].upper()}{outcome[1:]}: stop every "
+            "rank and resume from the last checkpoint (torchrun --max-restarts restarts them)."
         )
 
     def _point(
@@ -642,7 +653,7 @@ class SyncState:
     ) -> CompressionPoint:
         point = self.points.get(group)
         if point is None:
-            point = self.points[group] = self._new_point(group, x.numel(), params)
+            point = self.points[group] = self._new_point(group, x.numel(), params, self._strategies)
             self._set_warmup(point, step)  # a codec made mid-run (a new plan) is as far along
         elif point.numel != x.numel():
             raise ValueError(
@@ -692,12 +703,11 @@ class SyncState:
         group: int,
         numel: int,
         params: Sequence[int] | None,
-        strategies: Sequence[Strategy] | None = None,
+        strategies: Sequence[Strategy],
     ) -> CompressionPoint:
-        """A fresh point: config.compressor for a bucket, the strategy's codec for a plan group
-        (of `strategies`, a plan's, where given: [] for none; else the plan in use); told the
-        shapes of the group's parameters where known and the codec uses them."""
-        strategies = self._strategies if strategies is None else strategies
+        """A fresh point: the strategy's codec for a plan group (`strategies`: the plan's), or
+        config.compressor for a bucket (`strategies` empty: no plan); told the shapes of the
+        group's parameters where known and the codec uses them."""
         if not strategies:
             name, args = self.config.compressor, dict(self.config.compressor_args)
         else:
@@ -720,12 +730,12 @@ class SyncState:
         `comm`: the ranks that exchange with this one (default: the state's).
         """
         fingerprints = allgather_object(comm or self._comm(), self.config.fingerprint(), device)
-        self._ranks_agree = True
-        if len(set(fingerprints)) > 1:
+        if len(set(fingerprints)) > 1:  # and checked again on the next call: nothing may be exchanged
             raise ValueError(
                 "gradsync: the ranks were given different SyncConfigs, so their gradients cannot be "
                 f"exchanged:\n{describe_differences(fingerprints)}\nPass the same SyncConfig on every rank."
             )
+        self._ranks_agree = True
 
     def _own_state(self) -> dict[str, Any]:
         """This rank's state, unpacked (checkpoint.KEYS)."""
@@ -752,7 +762,8 @@ class SyncState:
         entry (a codec refusing its saved state) raises before anything is assigned, inside
         load_state_dict's check that every rank runs; the function returned assigns what was
         built and cannot fail, so that every rank restores or none does. `strategies`: the plan
-        the saved points belong to (see _new_point)."""
+        the saved points belong to (see _new_point), where not the plan in use."""
+        strategies = self._strategies if strategies is None else strategies
         points = {}
         for index, saved in state["points"].items():
             # Checkpoints before shaped codecs name no params: their codecs saw flat groups.

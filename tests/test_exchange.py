@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from gradsync import compress, exchange
+from gradsync import compress, exchange, sparse
 from gradsync.comm import LocalComm
 from gradsync.exchange import Route
 
@@ -101,3 +101,15 @@ def test_an_exchange_outcome_shows_torch_its_sum_and_nothing_it_cannot_pickle(na
     assert len(found) == 1 and found[0] is result.total
     with pytest.raises(TypeError, match="not copied or pickled"):  # never restored as something else
         copy.copy(result)
+
+
+@pytest.mark.parametrize("scheme", [None, *sparse.names()])
+def test_a_payload_found_non_finite_is_flagged_by_every_sparse_scheme_too(scheme: str | None) -> None:
+    # The caller checked its gradient; what it compressed (memory added) overflowed. The payload's
+    # own check must flag it by a scheme as by the allgather, or inf enters the error memory.
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    x[3] = math.inf
+    codec = compress.build("topk", ratio=0.1)
+    result = exchange.start(codec, x, Route(LocalComm()), scheme=scheme, finite=True).wait()
+    assert not result.finite
+    assert result.total is None

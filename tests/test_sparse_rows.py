@@ -272,3 +272,12 @@ def test_exchange_refuses_unknown_schemes_and_misplaced_partitions() -> None:
         sparse.exchange(rows, LocalComm(), "balanced", partition=HashPartition(17, 1, seed=0))
     with pytest.raises(ValueError, match="build it for this tensor and group"):
         sparse.exchange(rows, LocalComm(), "balanced", partition=HashPartition(16, 2, seed=0))
+
+
+@pytest.mark.parametrize("scheme", sparse.names())
+def test_rows_built_out_of_order_or_repeated_are_summed_as_their_pairs_by_every_scheme(scheme: str) -> None:
+    indices, values = torch.tensor([5, 2, 9, 2]), torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    rows = SparseRows(indices, values, 12)  # the constructor does not sort (a pass on every payload)
+    expected = torch.zeros(12, 1).index_add_(0, indices, values)
+    result = sparse.exchange(rows, LocalComm(), scheme)
+    assert torch.equal(result.total.dense(), expected)

@@ -65,9 +65,12 @@ def exchange(
     `finite=False` flags this rank's input as not finite (the result's `finite` is then False on
     every rank). `partition` (balanced only) assigns rows to owners; by default the HashPartition
     with seed 0, the same on every rank. Every rank must pass rows of the same tensor shape and
-    dtype and the same scheme.
+    dtype and the same scheme. Rows built by hand out of order, or repeated, are sorted and their
+    duplicates summed first (SparseRows.from_pairs): refused on one rank, they would leave the
+    others waiting in the exchange.
     """
     run = lookup(SCHEMES, "sparse scheme", scheme)
+    rows = SparseRows.from_pairs(rows.indices, rows.values, rows.num_rows)  # as it is where in order
     if scheme == "balanced":
         return run(rows, comm, finite, partition)
     if partition is not None:

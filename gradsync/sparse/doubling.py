@@ -60,8 +60,12 @@ def recursive_doubling(rows: SparseRows, comm: Comm, finite: bool = True) -> Spa
         sent += nbytes
         lower, upper = (mine, theirs) if me < me ^ distance else (theirs, mine)
         partial = _merge(lower, upper)  # lower rank first: the same bits on both partners
+    # Every rank ends with the total in the same form, whether or not it sends it on: a dense
+    # total lists every row (and as rows() only the non-zero ones), rows list the rows sent, and
+    # an optimizer of sparse gradients (SparseAdam) steps the rows listed.
+    partial = partial.wire_form(rows)
     if me + power < n:
-        sent += _send(comm, me + power, partial.wire_form(rows))
+        sent += _send(comm, me + power, partial)
     return _result(partial, rows, sent)
 
 

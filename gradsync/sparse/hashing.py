@@ -83,7 +83,10 @@ class HashPartition(Partition):
     def owned(self, owner: int, device: torch.device | None = None) -> torch.Tensor:
         rows, offsets = self._rows_by_owner
         if device is not None and device.type != "cpu":  # copied to a GPU once, not at every pull
-            rows = self._rows_on.setdefault(device, rows.to(device))
+            on_device = self._rows_on.get(device)
+            if on_device is None:  # (setdefault would copy at every call, to keep the first copy)
+                on_device = self._rows_on[device] = rows.to(device)
+            rows = on_device
         return rows[offsets[owner] : offsets[owner + 1]]
 
     @cached_property

@@ -337,6 +337,12 @@ def test_rows_of_the_sum_are_ascending_and_cover_the_union_unless_dense(
                     assert out["nnz"] == union == indices.numel(), where
                 if run == "dense":
                     assert out["is_dense"], where
+                # The same rows listed on every rank: an optimizer of sparse gradients
+                # (SparseAdam) steps the rows listed, zero or not.
+                first = results(runs, case, dtype, run)[0]
+                assert out["is_dense"] == first["is_dense"], where
+                assert torch.equal(indices, first["rows"][0]), where
+                assert bits(values) == bits(first["rows"][1]), where
 
 
 def test_cases_cover_both_index_formats_empty_inputs_and_duplicates(
@@ -383,11 +389,14 @@ def test_recursive_doubling_goes_dense_exactly_when_a_message_would_be_larger_sp
     for case in CASES:
         for dtype in DTYPES:
             index_sets = rank_indices(case, world, dtype)
+            # A partial turns dense once it sends or receives a dense message, and every rank
+            # ends with the total in the form it would be sent: dense on all ranks or on none.
+            # A sum's union holds every part's, so that is the total's form alone.
+            expected = message_is_dense(case, dtype, index_sets, list(range(world)))
             for rank, out in enumerate(results(runs, case, dtype, "recursive-doubling")):
-                # Its partial turns dense once it sends or receives a dense message (the final
-                # send of the total to a folded partner leaves the sender's own partial as it is).
                 sent, received, _ = doubling_messages(world, rank)
-                expected = any(message_is_dense(case, dtype, index_sets, g) for g in sent + received)
+                if any(message_is_dense(case, dtype, index_sets, g) for g in sent + received):
+                    assert expected, f"{case.name}, {dtype}, rank {rank}: a dense message, a sparse total"
                 assert out["is_dense"] == expected, f"{case.name}, {dtype}, rank {rank}"
                 switched += expected
                 kept_sparse += not expected
