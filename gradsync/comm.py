@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -171,8 +172,16 @@ def _outcome(work: dist.Work, name: str, sent: torch.Tensor, value: Callable[[],
             # hence `done` and its token (below), as long as the error lives.
             error.__traceback__ = None
             out.set_exception(CollectiveError(_failed(name, sent, error)))
+            return
+        try:
+            result = value()
+        except BaseException:
+            # torch only logs an error a done-callback raises: `out` would never complete. Its
+            # traceback, kept as text, since the error's own would hold this frame (as above).
+            failure = f"gradsync: reading the result of {name} failed:\n{traceback.format_exc()}"
+            out.set_exception(RuntimeError(failure))
         else:
-            out.set_result(value())
+            out.set_result(result)
 
     # Every later step of the exchange runs inside `done`, on the backend's worker thread; it is
     # over once that thread has dropped `done`, and the token with it.

@@ -40,7 +40,7 @@ from . import exchange, feedback
 from .comm import Comm, TorchComm
 from .config import SyncConfig
 from .strategy import Strategy
-from .sync import SyncState, is_finite
+from .sync import SyncState, collective_device, is_finite
 
 try:  # FSDP2 with a custom reduce-scatter: recent torch only (the DDP path needs none of it)
     from torch.distributed.fsdp import FSDPModule
@@ -63,7 +63,10 @@ class ShardedState(SyncState):
         super().__init__(config, comm, model)
         self._calls: dict[int, int] = {}  # group -> reduce-scatters so far: its step
         self._replica_calls: dict[int, int] = {}  # group -> replica all-reduces so far
-        self._resumed_at = 0  # the step a restored state resumes at: every group's first
+        self._resumed_at = 0  # where a group absent from a restored state's counts starts
+        # How each parameter is sharded (its shard group's size): memories laid out by one
+        # sharding would be added to other elements under another of the same padded size.
+        self._sharding = [_shard_size(p) for p in model.parameters()]
         # HSDP: each group's shard averaged across replicas, a DDP bucket's path over `replicas`
         # (its own stats(); its memories are checkpointed with this state's). Given the model, its
         # memories follow the learning rate of an SGD over it, as the shard's do.
@@ -73,17 +76,8 @@ class ShardedState(SyncState):
         self, x: torch.Tensor, out: torch.Tensor, group: int, comm: Comm, average: bool
     ) -> None:
         """Write this rank's shard of the sum (`average`: the mean) of `x` over the ranks into `out`."""
-        if x.dtype != torch.float32:
-            raise ValueError(
-                f"gradsync compresses FSDP's fp32 gradient reduction, but group {group} reduces in "
-                f"{x.dtype}: pass fully_shard(..., mp_policy=MixedPrecisionPolicy(..., "
-                "reduce_dtype=torch.float32))"
-            )
+        _check_fp32(x, group)
         self._comm()
-        if not self._ranks_agree:
-            # Among the ranks of this reduction, who reach it together: under pipeline
-            # parallelism the other stages' ranks may be waiting on this one's activations.
-            self._check_ranks_agree(x.device, comm)
         step = self._calls.get(group, self._resumed_at)
         self._calls[group] = step + 1
         self.step = max(self.step, step + 1)
@@ -130,12 +124,12 @@ class ShardedState(SyncState):
         across replicas, in place: every replica ends with the same bits."""
         replicas = self.replica_state
         assert replicas is not None
+        # Checked here too: FSDP runs no reduce-scatter of its own on a one-rank shard group.
+        _check_fp32(shard, group)
         # Counted here, not from the reduce-scatter: FSDP skips that on a one-rank shard group.
         step = self._replica_calls.get(group, self._resumed_at)
         self._replica_calls[group] = step + 1
         self.step = max(self.step, step + 1)
-        if not replicas._ranks_agree:
-            replicas._check_ranks_agree(shard.device)
         replicas.step = max(replicas.step, step + 1)
         with replicas._failures_named(f"group {group}'s replica all-reduce at step {step}"):
             future = replicas._sync_group(shard, group, step, True, None)
@@ -144,14 +138,28 @@ class ShardedState(SyncState):
         if average is not shard:
             shard.copy_(average)
 
+    def close(self) -> None:
+        super().close()
+        if self.replica_state is not None:
+            self.replica_state.close()
+
     def _own_state(self) -> dict[str, Any]:
         own = super()._own_state()
+        own["calls"], own["replica_calls"] = dict(self._calls), dict(self._replica_calls)
+        own["sharding"] = list(self._sharding)
         if self.replica_state is not None:
             own["replicas"] = self.replica_state._own_state()
         return own
 
     def _state_problems(self, state: Any) -> list[str]:
         found = super()._state_problems(state)
+        saved = state.get("sharding")  # absent from checkpoints before it was recorded
+        if saved is not None and list(saved) != self._sharding:
+            found.append(
+                f"it was saved with the parameters sharded over groups of {_sizes(saved)} ranks, and this "
+                f"run shards them over {_sizes(self._sharding)}: its error memories are laid out by "
+                "shard; shard the model as the saving run did, or register afresh"
+            )
         if (self.replica_state is not None) != ("replicas" in state):
             saved, now = ("no ", "") if self.replica_state is not None else ("", "no ")
             found.append(
@@ -171,9 +179,14 @@ class ShardedState(SyncState):
         restore = super()._prepare_restore(state, strategies)
         replicas = self.replica_state._prepare_restore(state["replicas"]) if self.replica_state else None
 
+        # Each group's own count: a module that does not run every step is behind the others
+        # (checkpoints before they were saved: every group resumes at the state's step).
+        calls = {int(group): count for group, count in state.get("calls", {}).items()}
+        replica_calls = {int(group): count for group, count in state.get("replica_calls", {}).items()}
+
         def assign() -> None:
             restore()
-            self._calls, self._replica_calls, self._resumed_at = {}, {}, self.step
+            self._calls, self._replica_calls, self._resumed_at = calls, replica_calls, self.step
             if replicas is not None:
                 replicas()
 
@@ -213,10 +226,18 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 class _ReplicaAllReduce:
     """One FSDP module's all-reduce hook: its shard averaged across replicas as group `group`."""
 
-    def __init__(self, state: ShardedState, group: int) -> None:
-        self.state, self.group = state, group
+    def __init__(self, state: ShardedState, group: int, module: nn.Module) -> None:
+        self.state, self.group, self.module = state, group, module
 
     def __call__(self, shard: torch.Tensor) -> None:
+        factors = _divide_factors(self.module)
+        if factors:
+            raise ValueError(
+                f"group {self.group} has a gradient divide factor of {sorted(factors)} "
+                "(set_gradient_divide_factor) and a replicate_group: FSDP divides the shard group's "
+                "sum by it and gradsync then averages across replicas, which FSDP's own HSDP would "
+                "not; leave the divide factor at its default, or scale the loss instead"
+            )
         self.state.all_reduce_replicas(shard, self.group)
 
 
@@ -237,11 +258,44 @@ def register(
         _check_crossing(model, replicate_group)
     replicas = TorchComm(replicate_group) if replicate_group is not None else None
     state = ShardedState(config, TorchComm(None), model, replicas)
+    # Every rank's config compared over all of them, here, before training: a reduce-scatter's
+    # or a replica group's ranks alone would not see a difference outside it (those ranks would
+    # go on and wait for the ones that raised), and inside the backward pass, under pipeline
+    # parallelism, other stages' ranks may be waiting on this one's activations.
+    state._check_ranks_agree(collective_device(state._comm()))
+    if state.replica_state is not None:
+        state.replica_state._ranks_agree = True  # the same config, compared above
     for index, module in enumerate(shards):
         module.set_custom_reduce_scatter(_CompressedReduceScatter(state, index))
         if replicas is not None:
-            module.set_all_reduce_hook(_ReplicaAllReduce(state, index))
+            module.set_all_reduce_hook(_ReplicaAllReduce(state, index, module))
     return state
+
+
+def _check_fp32(x: torch.Tensor, group: int) -> None:
+    if x.dtype != torch.float32:
+        raise ValueError(
+            f"gradsync compresses FSDP's fp32 gradient reduction, but group {group} reduces in "
+            f"{x.dtype}: pass fully_shard(..., mp_policy=MixedPrecisionPolicy(..., "
+            "reduce_dtype=torch.float32))"
+        )
+
+
+def _divide_factors(module: nn.Module) -> set[float]:
+    """The gradient divide factors set on `module` (FSDPModule.set_gradient_divide_factor),
+    which FSDP keeps on its parameter groups and offers no getter for."""
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", [])  # type: ignore[operator]
+    factors = (getattr(group, "gradient_divide_factor", None) for group in groups)
+    return {factor for factor in factors if factor is not None}
+
+
+def _shard_size(p: torch.Tensor) -> int:
+    mesh = getattr(p, "device_mesh", None)
+    return mesh.size() if mesh is not None else 1
+
+
+def _sizes(sharding: Sequence[int]) -> str:
+    return " and ".join(str(size) for size in sorted(set(sharding)))
 
 
 def _check_crossing(model: nn.Module, replicate_group: dist.ProcessGroup) -> None:

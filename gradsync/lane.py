@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from .comm import forward, let_go_of_groups
+from .comm import CollectiveError, forward, let_go_of_groups
 
 
 class Lane:
@@ -77,8 +77,13 @@ class Lane:
             self._changed.wait_for(lambda: not self._queue and not self._busy)
 
     def _issue(self, program: Callable[[], Future]) -> Future:
-        if self._failed is not None:
-            raise self._failed
+        failed = self._failed
+        if failed is not None:
+            # A new error each time, naming the first: raising that one again would name it as
+            # this exchange's (SyncState adds the bucket and step it is raised for) and grow its
+            # traceback with every later program, keeping their frames and buffers alive.
+            kind = CollectiveError if isinstance(failed, CollectiveError) else RuntimeError
+            raise kind(f"not issued: an earlier exchange failed ({type(failed).__name__}: {failed})")
         try:
             return program()
         except BaseException as error:

@@ -603,7 +603,8 @@ class SyncState:
     def _begin(self, is_last: bool, device: torch.device) -> int:
         """The step this group belongs to; counts the step once its last group arrives."""
         if not self._ranks_agree:
-            with self._failures_named("the check that every rank has the same SyncConfig", "nothing was exchanged"):
+            check = "the check that every rank has the same SyncConfig"
+            with self._failures_named(check, "nothing was exchanged"):
                 self._check_ranks_agree(device)
         step = self.step
         if is_last:
@@ -722,14 +723,14 @@ class SyncState:
         kept = tuple(params) if shaped and params is not None else None  # shapes come from params
         return CompressionPoint(numel, codec, self.config.build_feedback(name), kept)
 
-    def _check_ranks_agree(self, device: torch.device, comm: Comm | None = None) -> None:
+    def _check_ranks_agree(self, device: torch.device) -> None:
         """Fail on every rank, with the same message, when ranks were configured differently.
 
-        Runs on the first call, before any gradient is exchanged, so that differing settings
-        (warm-up length, compressor) can never make ranks issue different collectives and hang.
-        `comm`: the ranks that exchange with this one (default: the state's).
+        Runs on the first call (at registration for FSDP), before any gradient is exchanged, so
+        that differing settings (warm-up length, compressor) can never make ranks issue different
+        collectives and hang.
         """
-        fingerprints = allgather_object(comm or self._comm(), self.config.fingerprint(), device)
+        fingerprints = allgather_object(self._comm(), self.config.fingerprint(), device)
         if len(set(fingerprints)) > 1:  # and checked again on the next call: nothing may be exchanged
             raise ValueError(
                 "gradsync: the ranks were given different SyncConfigs, so their gradients cannot be "

@@ -8,11 +8,13 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 
+import pytest
 import torch
 from torch.futures import Future
 
-from gradsync.comm import _end_to_end, completed
+from gradsync.comm import CollectiveError, _end_to_end, completed
 from gradsync.lane import Lane
 
 
@@ -40,6 +42,41 @@ def test_programs_issue_in_the_order_asked_whether_they_block_or_not() -> None:
     lane.drain()
     assert issued == ["a", "b", "c", "d"]
     assert [int(f.wait()) for f in futures] == [1, 2, 3, 4]
+    lane.stop()
+
+
+def test_after_a_program_fails_every_later_one_fails_naming_the_first_with_an_error_of_its_own() -> None:
+    lane, issued = Lane(), []
+
+    def dead_peer() -> Future:
+        raise CollectiveError("all_to_all of 12 elements failed: Connection closed by peer")
+
+    def fine() -> Future:
+        issued.append("fine")
+        return completed(torch.zeros(1))
+
+    first = lane.run(dead_peer, blocking=True)
+    later = [lane.run(fine, blocking=True), lane.run(fine, blocking=False), lane.run(fine, blocking=True)]
+    lane.drain()
+    with pytest.raises(RuntimeError) as original:  # a future shows a program's error as a RuntimeError
+        first.wait()
+    assert "Connection closed by peer" in str(original.value)
+    errors = []
+    for future in later:
+        with pytest.raises(RuntimeError) as caught:
+            future.wait()
+        errors.append(caught.value)
+    assert issued == []  # nothing after the failure was issued
+    for error in errors:
+        assert "not issued: an earlier exchange failed (CollectiveError: all_to_all of 12" in str(error)
+    # Each its own: the first error is not raised again, so its traceback does not grow.
+    failed = lane._failed
+    assert isinstance(failed, CollectiveError)
+    depth = len(traceback.extract_tb(failed.__traceback__))
+    with pytest.raises(CollectiveError) as direct:
+        lane._issue(fine)
+    assert direct.value is not failed
+    assert len(traceback.extract_tb(failed.__traceback__)) == depth
     lane.stop()
 
 

@@ -58,6 +58,23 @@ def test_a_failed_collective_is_settled_too() -> None:
         out.wait()
 
 
+def test_a_result_that_cannot_be_read_fails_the_future_instead_of_leaving_it_pending() -> None:
+    # torch only logs an error raised by a done-callback: the future it should complete would
+    # then never complete, and DDP would wait on it with no timeout.
+    work, tensor = _Work(), torch.ones(2)
+
+    def unreadable() -> torch.Tensor:
+        raise ValueError("decoded into the wrong shape")
+
+    out = _outcome(work, "allreduce", tensor, unreadable)  # type: ignore[arg-type]
+    work.future.set_result(None)
+    assert out.done()
+    with pytest.raises(RuntimeError, match="reading the result of allreduce failed") as raised:
+        out.wait()
+    assert "ValueError: decoded into the wrong shape" in str(raised.value)  # its traceback, as text
+    assert settle(timeout_s=1.0)
+
+
 def test_at_exit_the_callbacks_are_settled_and_the_groups_let_go() -> None:
     # A script that trains over gloo and destroys its group right after its last step, as one
     # ends. An exit handler registered before gradsync's runs after it (last in, first out): it

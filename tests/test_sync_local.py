@@ -506,3 +506,55 @@ def test_powersgd_in_the_hook_approximates_each_weight_as_its_own_matrix() -> No
     g = one_sample_gradients(model, seed=2)
     a = shaped.sync(g.clone(), 0, True, params=params).wait()
     assert torch.equal(restored.sync(g.clone(), 0, True, params=params).wait(), a)
+
+
+@pytest.mark.parametrize(
+    ("call", "where", "outcome"),
+    [
+        (
+            lambda s: s.sync(torch.ones(NUMEL), 0, True),
+            "the check that every rank has the same SyncConfig",
+            "Nothing was exchanged",
+        ),
+        (lambda s: s.full_state_dict(), "full_state_dict", "Nothing was saved"),
+        (lambda s: s.load_state_dict(s.state_dict()), "load_state_dict", "Nothing was loaded"),
+    ],
+    ids=["config check", "full_state_dict", "load_state_dict"],
+)
+def test_a_peer_lost_outside_a_step_is_named_with_the_call_and_what_it_left_undone(
+    monkeypatch: pytest.MonkeyPatch, call: Any, where: str, outcome: str
+) -> None:
+    from gradsync import sync as sync_module
+    from gradsync.comm import CollectiveError
+
+    def lost(*args: Any, **kwargs: Any) -> Any:
+        raise CollectiveError("allgather of 9 uint8 elements failed: Connection closed by peer")
+
+    state = new_state()
+    monkeypatch.setattr(sync_module, "allgather_object", lost)
+    with pytest.raises(CollectiveError) as raised:
+        call(state)
+    message = str(raised.value)
+    assert message.startswith(f"gradsync: {where}: allgather of 9 uint8 elements failed")
+    assert f"{outcome}: stop every rank and resume from the last checkpoint" in message
+    assert "gradients were not averaged" not in message
+
+
+def test_ranks_found_configured_differently_are_checked_again_on_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A caller that catches the refusal and tries again must not exchange anything unchecked.
+    from gradsync import sync as sync_module
+
+    state, other, calls = new_state(), new_state(warmup_steps=WARMUP + 1), []
+
+    def gathered(comm: Any, fingerprint: str, device: Any) -> list[str]:
+        calls.append(fingerprint)
+        return [fingerprint, other.config.fingerprint()]
+
+    monkeypatch.setattr(sync_module, "allgather_object", gathered)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="different SyncConfigs"):
+            state.sync(torch.ones(NUMEL), 0, True)
+    assert len(calls) == 2
+    assert state.step == 0  # no step was counted, nothing exchanged

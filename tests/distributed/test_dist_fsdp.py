@@ -326,3 +326,75 @@ def test_what_fsdp_cannot_run_is_refused_by_name() -> None:
     assert "2-D mesh" in out["native hsdp"] and 'mesh=mesh["shard"]' in out["native hsdp"], out
     assert "drop replicate_group" in out["ddp"], out
     assert "[0, 1]" in out["crossing"] and "meet at this rank" in out["crossing"], out  # WORLD shards too
+
+
+def registration_checks(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    mesh = hsdp_mesh(2)
+    replicas = mesh["replicate"].get_group()
+    # Replica 1 (ranks 2 and 3) warms up longer: each shard group agrees within itself, so only a
+    # check over every rank sees it, before anything is exchanged.
+    cfg = config(compressor="int4", warmup_steps=3 if rank >= 2 else 2)
+    try:
+        gradsync.register(shard(make(0), mesh["shard"]), cfg, replicate_group=replicas)
+        out["differing"] = None
+    except ValueError as error:
+        out["differing"] = str(error)
+    # A gradient divide factor with replicas: FSDP divides, then gradsync averages again.
+    net = shard(make(0), mesh["shard"])
+    gradsync.register(net, config(compressor="int4"), replicate_group=replicas)
+    for layer in net:  # each module's own (the root's holds no parameters)
+        if isinstance(layer, nn.Linear):
+            layer.set_gradient_divide_factor(2.0)  # type: ignore[operator]
+    x, y = batch(rank, 0)
+    try:
+        nn.functional.cross_entropy(net(x), y).backward()
+        out["divide factor"] = None
+    except ValueError as error:
+        out["divide factor"] = str(error)
+    # A state saved sharded over all 4 ranks, loaded where the model is sharded over 2 of them.
+    net = shard(make(0))
+    state = gradsync.register(net, config(compressor="int4", warmup_steps=0))
+    train(net, sgd(net), rank, range(2))
+    saved, calls = state.state_dict(), dict(state._calls)
+    again = gradsync.register(shard(make(0)), config(compressor="int4", warmup_steps=0))
+    again.load_state_dict(saved)
+    out["calls kept"] = again._calls == calls and len(calls) > 0
+    other = gradsync.register(shard(make(0), mesh["shard"]), config(compressor="int4", warmup_steps=0))
+    try:
+        other.load_state_dict(saved)
+        out["sharding"] = None
+    except ValueError as error:
+        out["sharding"] = str(error)
+    return out
+
+
+def one_rank_shards(rank: int, world_size: int) -> dict:
+    # Shards of one rank: FSDP runs no reduce-scatter, so only the replica hook sees the dtype.
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    net = make(0)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"], mp_policy=policy)
+    fully_shard(net, mesh=mesh["shard"], mp_policy=policy)
+    gradsync.register(net, config(compressor="int4"), replicate_group=mesh["replicate"].get_group())
+    x, y = batch(rank, 0)
+    try:
+        nn.functional.cross_entropy(net(x), y).backward()
+        return {"bf16": None}
+    except ValueError as error:
+        return {"bf16": str(error)}
+
+
+def test_registration_compares_every_ranks_config_and_what_cannot_be_averaged_is_refused() -> None:
+    results = run_ranks(registration_checks, 4, timeout_s=120)
+    for rank, out in enumerate(results):
+        assert out["differing"] is not None and "warmup_steps" in out["differing"], (rank, out)
+        assert out["differing"] == results[0]["differing"], "every rank raises the same message"
+        assert "set_gradient_divide_factor" in out["divide factor"], (rank, out)
+        assert out["calls kept"], rank
+        assert "sharded over groups of 4 ranks" in out["sharding"], (rank, out)
+        assert "this run shards them over 2" in out["sharding"], (rank, out)
+    for rank, out in enumerate(run_ranks(one_rank_shards, 2, timeout_s=60)):
+        assert "reduce_dtype=torch.float32" in out["bf16"], (rank, out)
