@@ -176,15 +176,20 @@ class AllRanks:
     call on every rank before rank 0 writes; the other ranks get {}), and load_state_dict(), on
     every rank, takes each rank's own part.
 
+    `to`: the rank that writes; None where several do (Accelerate's save_on_each_node=True
+    writes from each node's first rank): every rank then gets every rank's state, world size
+    states in memory each.
+
     Example (Accelerate, whose save_state writes custom objects from rank 0 only):
         >>> accelerator.register_for_checkpointing(gradsync.AllRanks(state))
     """
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, to: int | None = 0) -> None:
         self.state = state  # a SyncState (not imported: the runtime imports this module)
+        self.to = to
 
     def state_dict(self) -> dict[str, Any]:
-        return self.state.full_state_dict(to=0)  # the saving rank alone holds every rank's
+        return self.state.full_state_dict(to=self.to)  # the saving ranks alone hold every rank's
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.state.load_state_dict(state)

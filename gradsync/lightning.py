@@ -60,6 +60,13 @@ class GradSync(pl.Callback):
             self.state.load_state_dict(self._restored)  # every rank: a collective
             self._restored = None
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A checkpoint restored for validate(), test() or predict() (ckpt_path=...) belongs to no
+        # fit: a later fit() starts afresh, as its optimizer and loops do.
+        self._restored = None
+        if stage == "fit" and self.state is not None:
+            self.state.close()  # plan="auto"'s timers and the learning-rate watch, per fit
+
     def state_dict(self) -> dict[str, Any]:
         # Every rank is asked (a collective); rank 0 writes what it returns, the others' is dropped.
         return self.state.full_state_dict(to=0) if self.state is not None else {}

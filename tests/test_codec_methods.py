@@ -649,3 +649,41 @@ def test_signum_without_momentum_is_signsgd() -> None:
         (a,), _ = signum.compress(g)
         (b,), _ = signsgd.compress(g)
         assert torch.equal(a, b)
+
+
+def _payload_bits(codec: compress.Compressor, x: torch.Tensor) -> list[bytes]:
+    payload, _ = codec.compress(x)
+    return [t.cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in payload]
+
+
+def test_a_random_stream_saved_by_another_kind_of_generator_restarts_from_the_seed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A GPU's generator state (Philox: 16 bytes) restored where the codec runs on the CPU (5056).
+    x = randn(4000, seed=2)
+    codec = compress.build("qsgd", seed=7)
+    codec.load_state_dict({"generator": torch.zeros(16, dtype=torch.uint8)})
+    with caplog.at_level("WARNING", logger="gradsync"):
+        restored = _payload_bits(codec, x)
+    assert restored == _payload_bits(compress.build("qsgd", seed=7), x)  # as a new run draws
+    assert "saved random stream (16 bytes) is not one a cpu generator keeps" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's random stream")
+def test_a_gpu_codecs_random_stream_resumes_from_a_checkpoint_loaded_onto_the_gpu() -> None:
+    import io
+
+    from gradsync import checkpoint
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = randn(4000, seed=3).to(device)
+    codec = compress.build("qsgd", seed=7)
+    codec.compress(x)
+    buffer = io.BytesIO()
+    torch.save(codec.state_dict(), buffer)
+    buffer.seek(0)
+    # Loaded as a checkpoint's tensors are: onto the model's device.
+    saved = torch.load(buffer, map_location=checkpoint.onto(device), weights_only=True)
+    resumed = compress.build("qsgd", seed=7)
+    resumed.load_state_dict(saved)
+    assert _payload_bits(resumed, x) == _payload_bits(codec, x)

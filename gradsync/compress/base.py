@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
+
+log = logging.getLogger("gradsync")
 
 Payload = tuple[torch.Tensor, ...]
 
@@ -172,9 +175,19 @@ class SeededCompressor(Compressor):
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self.seed)
-            if self._pending_state is not None:
-                self._generator.set_state(self._pending_state)
-                self._pending_state = None
+            pending, self._pending_state = self._pending_state, None
+            if pending is not None:
+                try:
+                    self._generator.set_state(pending)
+                except RuntimeError:
+                    # Saved by a generator of another kind (a GPU's Philox state is 16 bytes, the
+                    # CPU's Mersenne Twister 5056): no stream of this device continues it. Every
+                    # rank meets this alike, so a stream that ranks share stays shared.
+                    log.warning(
+                        "gradsync: %s's saved random stream (%d bytes) is not one a %s generator "
+                        "keeps: it draws afresh from its seed (%d), as a new run would",
+                        *(type(self).__name__, pending.numel(), device.type, self.seed),
+                    )
         return self._generator
 
     def state_dict(self) -> dict[str, Any]:
@@ -184,7 +197,10 @@ class SeededCompressor(Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._generator = None
-        self._pending_state = state.get("generator")
+        pending = state.get("generator")
+        # A generator's state is a CPU byte tensor whatever its device; a checkpoint's tensors
+        # are loaded onto the model's device (checkpoint.onto).
+        self._pending_state = pending.cpu() if pending is not None else None
 
 
 # A count of compressed steps that every warm-up has ended by: where a codec made to run as after

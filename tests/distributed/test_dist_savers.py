@@ -7,8 +7,10 @@ bit-identical to the uninterrupted run's on every rank. The savers:
   per-rank files  torch.save(state.state_dict()) on every rank, each loading its own;
   rank-0 file     full_state_dict() on every rank (a collective), torch.save on rank 0 only,
                   every rank loading that one file;
-  rank-0 gather   the same with full_state_dict(to=0): only rank 0 receives every rank's state
-                  (the others get {}), as AllRanks and the Lightning callback save;
+  rank-0 gather   the same with AllRanks(state).state_dict(): only rank 0 receives every rank's
+                  state (the others get {}), as Accelerate and the Lightning callback save;
+  every writer    AllRanks(state, to=None).state_dict() written by every rank to a file of its
+                  own, each loading its own (Accelerate's save_on_each_node, a node a rank);
   dcp             torch.distributed.checkpoint, the state passed as a Stateful beside the
                   model's and optimizer's state dicts.
 
@@ -32,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import gradsync
 
 STEPS, SAVE_AT = 16, 8
-SAVERS = ("per-rank files", "rank-0 file", "rank-0 gather", "dcp")
+SAVERS = ("per-rank files", "rank-0 file", "rank-0 gather", "every writer", "dcp")
 CFG = {"compressor": "topk", "compressor_args": {"ratio": 0.05}, "error_feedback": "ef"}
 
 
@@ -51,10 +53,15 @@ def _save(saver: str, where: str, rank: int, model, opt, state: gradsync.SyncSta
     if saver == "per-rank files":
         torch.save({**trained, "gradsync": state.state_dict()}, os.path.join(where, f"rank{rank}.pt"))
         return
-    everyone = state.full_state_dict(to=0 if saver == "rank-0 gather" else None)  # a collective
+    if saver == "rank-0 file":
+        everyone = state.full_state_dict()  # a collective
+    else:
+        everyone = gradsync.AllRanks(state, to=0 if saver == "rank-0 gather" else None).state_dict()
     if saver == "rank-0 gather" and rank != 0:
         assert everyone == {}, f"rank {rank} received the gathered state: {sorted(everyone)}"
-    if rank == 0:
+    if saver == "every writer":
+        torch.save({**trained, "gradsync": everyone}, os.path.join(where, f"node{rank}.pt"))
+    elif rank == 0:
         torch.save({**trained, "gradsync": everyone}, os.path.join(where, "all.pt"))
     dist.barrier()
 
@@ -68,7 +75,8 @@ def _load(saver: str, where: str, rank: int, model, opt, state: gradsync.SyncSta
         dcp.load(loaded, checkpoint_id=where)
         set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         return
-    saved = torch.load(os.path.join(where, f"rank{rank}.pt" if saver == "per-rank files" else "all.pt"))
+    files = {"per-rank files": f"rank{rank}.pt", "every writer": f"node{rank}.pt"}
+    saved = torch.load(os.path.join(where, files.get(saver, "all.pt")))
     model.module.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optim"])
     if with_state:

@@ -3,9 +3,10 @@ tests/integrations/test_frameworks.py under torchrun on 2 CPU ranks (strategy="d
 
 In one launch it fits 16 steps (2 epochs) without a break, ModelCheckpoint saving at each epoch's
 end, then fits a fresh module (initialized differently) from the first epoch's checkpoint, at step 8,
-to step 16. The data is drawn from the rank and the step, not from the loader: Lightning's own
-resume from an epoch's end checkpoint does not replay the loader's order exactly (with plain
-DDP too), which is not what this tests.
+to step 16, and fits afresh after validate() from that checkpoint by the same Trainer. The data is
+drawn from the rank and the step, not from the loader: Lightning's own resume from an epoch's end
+checkpoint does not replay the loader's order exactly (with plain DDP too), which is not what this
+tests.
 
 First of all it fits 16 steps with DDPStrategy(ddp_comm_hook=gradsync.hook,
 ddp_comm_state=SyncState(config)), the state made before Lightning creates the process group (it
@@ -49,6 +50,9 @@ class Net(pl.LightningModule):
         x, y = torch.randn(BATCH, 64, generator=generator), torch.randint(8, (BATCH,), generator=generator)
         return nn.functional.cross_entropy(self.net(x), y)
 
+    def validation_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        return self.net(torch.ones(1, 64)).sum()
+
     def configure_optimizers(self) -> dict:
         # The rate halves every 4 steps, at the resume step too: gradsync's memories follow it
         # (gradsync.learning_rate), through the callback and the comm hook alike.
@@ -62,7 +66,9 @@ def data() -> DataLoader:
     return DataLoader(TensorDataset(torch.arange(2 * EPOCH * BATCH)), batch_size=BATCH, shuffle=False)
 
 
-def fit(out: str, seed: int, ckpt: str | None = None) -> tuple[Net, GradSync]:
+def fit(out: str, seed: int, ckpt: str | None = None, validated: str | None = None) -> tuple[Net, GradSync]:
+    """A fit from `ckpt`, or afresh; `validated`: after validate() from that checkpoint, by the
+    same Trainer and callback (whose restored state must not reach the fit)."""
     callback = GradSync(CONFIG)
     every_epoch = ModelCheckpoint(
         dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True
@@ -77,6 +83,8 @@ def fit(out: str, seed: int, ckpt: str | None = None) -> tuple[Net, GradSync]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if validated is not None:
+        trainer.validate(Net(seed + 1), data(), ckpt_path=validated)
     module = Net(seed)
     trainer.fit(module, data(), ckpt_path=ckpt)
     return module, callback
@@ -124,6 +132,9 @@ def main(out: str) -> None:
     results["compression_ratio"] = callback.state.stats()["last_step"]["compression_ratio"]
     module, callback = fit(os.path.join(out, "resumed"), seed=1, ckpt=os.path.join(out, "epoch=0.ckpt"))
     results |= {"resumed": flat(module), "resumed_state": own(callback.state, rank)}
+    epoch0 = os.path.join(out, "epoch=0.ckpt")
+    module, callback = fit(os.path.join(out, "validated"), seed=0, validated=epoch0)
+    results |= {"after_validate": flat(module)}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 

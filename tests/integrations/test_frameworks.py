@@ -69,6 +69,11 @@ def test_a_framework_checkpoint_resumes_bit_for_bit(package: str, script: str, t
     assert not same(*memories), "both ranks hold the same memories: the test cannot tell them apart"
     if package == "lightning":  # the comm hook's state, made before the process group, bound to it
         for rank, out in enumerate(ranks):
+            # validate(ckpt_path=...) restores the callbacks too; the fit after it starts afresh.
+            assert torch.equal(out["after_validate"], out["continuous"]), (
+                f"rank {rank}: validate's state leaked"
+            )
+
             assert out["comm_hook_state"]["rank"] == rank and out["comm_hook_state"]["world_size"] == 2
             assert out["comm_hook_state"]["step"] == 16, f"rank {rank}: the comm hook did not run every step"
             assert same(out["comm_hook_state"]["points"], out["continuous_state"]["points"])
