@@ -47,7 +47,7 @@ from .feedback import Corrected, Local, RemoveLocal
 from .lane import Lane
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
-from .strategy import shards, sums
+from .strategy import sums, two_shot
 from .wire import (
     decode_indices,
     field_bits,
@@ -177,17 +177,17 @@ def start(
             f"on {x.device}: the sum is decoded into out, so it must match x"
         )
     kind = type(codec)
-    collective = collective or ("allreduce" if sums(kind) else "two-shot" if shards(kind) else "allgather")
+    collective = collective or ("allreduce" if sums(kind) else "two-shot" if two_shot(kind) else "allgather")
     if collective == "allgather" and (kind.rounds > 1 or kind.majority_vote):
         raise ValueError(
             f"collective='allgather' for {kind.__name__}, which combines ranks by allreduces of its own "
             "(rounds or a vote), not by decoding each rank's payload; leave the collective to the codec"
         )
-    if collective == "two-shot" and not shards(kind):
+    if collective == "two-shot" and not two_shot(kind):
         raise ValueError(
             f"collective='two-shot' for {kind.__name__}: only fixed-size, dense, single-round codecs "
-            "without a vote can have a shard's sum encoded again by its owner; leave the collective "
-            "to the codec"
+            "without a vote or a random stream the ranks share can have a shard's sum encoded again "
+            "by its owner; leave the collective to the codec"
         )
     if corrected is not None:
         _check_corrected(corrected, x, kind, collective, finite, out, divisor)

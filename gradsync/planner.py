@@ -41,7 +41,7 @@ from . import levels as codec_levels
 from .sim import quick
 from .sim.cluster import CPU_HOST, Cluster
 from .sim.compute import Compute
-from .strategy import NONE, Strategy, default_collective, parse, shards, sums
+from .strategy import NONE, Strategy, default_collective, parse, sums, two_shot
 
 # Count vectors tried exactly by the offload step; larger instances go class by class.
 OFFLOAD_EXACT_LIMIT = 1024
@@ -99,7 +99,7 @@ def _ways(level: Strategy, two_level: bool) -> list[Strategy]:
     name, args = level.codec, level.args
     codec = type(compress.build(name, **dict(args)))
     ways = [Strategy(name, args, "allreduce")] if sums(codec) else []
-    if shards(codec) and not codec.summable:  # summable payloads are simply allreduced
+    if two_shot(codec) and not codec.summable:  # summable payloads are simply allreduced
         ways.append(Strategy(name, args, "two-shot"))
     if codec.rounds == 1 and not codec.majority_vote:
         ways.append(Strategy(name, args, "allgather"))

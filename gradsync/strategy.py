@@ -81,11 +81,11 @@ class Strategy:
                 f"({'a vote' if kind.majority_vote else f'{kind.rounds} rounds'}), not by decoding "
                 "each rank's payload; drop collective=allgather"
             )
-        if self.collective == "two-shot" and not shards(kind):
+        if self.collective == "two-shot" and not two_shot(kind):
             raise ValueError(
                 f"strategy {self.text!r}: two-shot needs a fixed-size, dense, single-round codec "
-                f"without a vote, whose shard sums its owner can encode again; {self.codec} is not one. "
-                "Drop collective=two-shot"
+                "without a vote or a random stream the ranks share, whose shard sums its owner can "
+                f"encode again; {self.codec} is not one. Drop collective=two-shot"
             )
         codec(self.codec, self.args)  # unknown arguments and bad values fail here
 
@@ -148,7 +148,7 @@ def default_collective(name: str) -> str:
     two-shot where a shard's sum can be encoded again (the dense quantizers), else allgather."""
     if name == NONE or sums(codec_class(name)):
         return "allreduce"
-    return "two-shot" if shards(codec_class(name)) else "allgather"
+    return "two-shot" if two_shot(codec_class(name)) else "allgather"
 
 
 def sums(kind: type[compress.Compressor]) -> bool:
@@ -158,9 +158,17 @@ def sums(kind: type[compress.Compressor]) -> bool:
 
 
 def shards(kind: type[compress.Compressor]) -> bool:
-    """Whether ranks can combine `kind`'s payloads by two-shot: fixed-size dense payloads of one
-    round and no vote, so a shard's owner can decode, sum and encode them again."""
+    """Whether a shard's owner can decode and sum `kind`'s payloads of that shard (FSDP's
+    reduce-scatter, two-shot's first half): fixed-size dense payloads of one round and no vote."""
     return kind.fixed_size and not kind.sparse_rows and kind.rounds == 1 and not kind.majority_vote
+
+
+def two_shot(kind: type[compress.Compressor]) -> bool:
+    """Whether ranks can combine `kind`'s payloads by two-shot: shards(), and its owners' encoding
+    of their shards' sums draws from no stream the ranks share (randk's supports: each owner would
+    draw for a shard of its own size, the ranks' streams would part, and its payload would be
+    decoded with the support of another draw)."""
+    return shards(kind) and kind.randomness != "shared"
 
 
 def codec_class(name: str) -> type[compress.Compressor]:

@@ -687,3 +687,12 @@ def test_a_gpu_codecs_random_stream_resumes_from_a_checkpoint_loaded_onto_the_gp
     resumed = compress.build("qsgd", seed=7)
     resumed.load_state_dict(saved)
     assert _payload_bits(resumed, x) == _payload_bits(codec, x)
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e-39])  # normal, small, subnormal
+def test_qsgd_sends_a_bucket_of_equal_values_at_any_magnitude(magnitude: float) -> None:
+    # Every value is the bucket's max norm: its level is the top one, with no rounding to draw
+    # (decoding multiplies by norm / levels: within a rounding of the norm, also subnormal).
+    x = torch.full((1000,), magnitude).neg_()
+    x[::3] = magnitude
+    torch.testing.assert_close(round_trip(compress.build("qsgd", seed=0), x), x, rtol=1e-5, atol=0)

@@ -113,3 +113,10 @@ def test_a_payload_found_non_finite_is_flagged_by_every_sparse_scheme_too(scheme
     result = exchange.start(codec, x, Route(LocalComm()), scheme=scheme, finite=True).wait()
     assert not result.finite
     assert result.total is None
+
+
+def test_two_shot_is_refused_for_a_codec_whose_random_stream_the_ranks_share() -> None:
+    # randk draws its support from a stream every rank keeps alike; an owner re-encoding its
+    # shard's sum would draw for a shard of its own size and decode with another draw's support.
+    with pytest.raises(ValueError, match="random stream the ranks share"):
+        exchange.start(build("randk"), torch.randn(100), Route(LocalComm()), "two-shot")

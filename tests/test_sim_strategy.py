@@ -41,6 +41,8 @@ def test_parse_round_trips_through_text():
         ("fp16:scheme=balanced", "not sparse rows"),
         ("topk:scheme=zen", "scheme='zen'"),
         ("signsgd:collective=allgather", "its own allreduces"),
+        # Its support is drawn from a stream the ranks share: an owner's draw would part them.
+        ("randk:collective=two-shot", "random stream the ranks share"),
         ("none:collective=allgather", "summed"),
         ("none:on=cpu", "nothing to offload"),
         ("fp16:on=gpu", "on='gpu'"),

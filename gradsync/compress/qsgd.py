@@ -45,10 +45,10 @@ class QSGD(SeededCompressor):
         numel = flat.numel()
         rows = padded_rows(flat, self.bucket_size, "qsgd")
         norms = rows.norm(dim=1) if self.norm == "l2" else torch.maximum(rows.amax(1), rows.amin(1).neg())
-        # A zero bucket has a zero norm: dividing by a tiny number keeps its levels at zero. Divide
-        # |v_i| by the norm before multiplying by levels: levels / tiny overflows to inf (levels
-        # >= 4), and 0 * inf is NaN.
-        divisor = norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+        # A zero bucket has a zero norm: dividing it by 1 keeps its levels at zero (and a bucket
+        # of subnormal values keeps its own norm, which decoding multiplies back). Divide |v_i| by
+        # the norm before multiplying by levels: levels / norm overflows for a subnormal norm.
+        divisor = torch.where(norms > 0, norms, 1.0).unsqueeze(1)
         scaled = rows.abs_().div_(divisor).mul_(self.levels)  # in [0, s], up to rounding
         # Stochastic rounding: floor(a + u) rounds a up with probability frac(a) for u uniform in
         # [0, 1). The clamp: a level above s, were float rounding to push a + u past s + 1, would
