@@ -11,7 +11,9 @@ accumulates learning rate times gradient. docs/compressors.md measures what that
 The hook does not see the optimizer, so this watches every optimizer's step (PyTorch's global
 step pre-hook) and keeps those that are SGD and hold one of the model's parameters. Only SGD:
 its step is the learning rate times the gradient (and its momentum); an adaptive optimizer's
-(Adam's) is not proportional to the gradient, so the memory stays in gradient units there.
+(Adam's) is not proportional to the gradient, so the memory stays in gradient units there, and
+everywhere where such an optimizer steps some of the model's parameters beside SGD (a memory
+may hold both's gradients).
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ class LearningRate:
     per param group holding any of `params`, known once such an optimizer has stepped."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
-        self._ids = {id(p) for p in params}
-        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # ours, in the order seen
+        self._ids: dict[int, int] = {}  # each parameter's id -> its position among ours
+        self.watch(params)
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # ours, SGD
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # An optimizer other than SGD over some of ours: a memory holding their gradients as well
+        # as SGD's would be rescaled whole by SGD's rate, so none is.
+        self._mixed: str | None = None
         self._warned = False
         self._searched = False  # whether now() looked for optimizers among the live objects
         # The global hook holds this object weakly, and is removed once it is collected.
@@ -48,15 +54,17 @@ class LearningRate:
     def watch(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Follow the rate over `params` too (parameters met one DDP bucket at a time), from the
         next optimizer met."""
-        self._ids.update(id(p) for p in params)
+        for p in params:
+            self._ids.setdefault(id(p), len(self._ids))
 
     def close(self) -> None:
         """Stop watching optimizers' steps."""
         self._release()
 
     def now(self) -> Rates | None:
-        """The rates of the param groups holding the model's parameters, in the order the
-        optimizers were seen; None where no SGD over them exists."""
+        """The rates of the param groups holding the model's parameters, ordered by their first
+        parameter's position (the same whichever optimizer stepped first, also after a restore);
+        None where no SGD over them exists, or where another optimizer holds some of them."""
         if not self._optimizers and not self._searched:
             # No optimizer has stepped since this watcher was made: a state restored from a
             # checkpoint (or compressing from step 0) meets its first compressed step before the
@@ -68,14 +76,16 @@ class LearningRate:
                 # asked for their __class__.
                 if issubclass(type(obj), torch.optim.Optimizer):
                     self._seen(obj)
-        rates = tuple(
-            float(group["lr"])
+        if self._mixed is not None:
+            return None
+        first_and_rate = sorted(
+            (min(self._ids[id(p)] for p in group["params"] if id(p) in self._ids), float(group["lr"]))
             for optimizer in (ref() for ref in self._optimizers)
             if optimizer is not None
             for group in optimizer.param_groups
             if any(id(p) in self._ids for p in group["params"])
         )
-        return rates or None
+        return tuple(rate for _, rate in first_and_rate) or None
 
     def ratio(self, before: Rates | None, now: Rates | None) -> float:
         """What scales a memory held at rates `before` so that it moves the parameters at rates
@@ -111,6 +121,14 @@ class LearningRate:
         ours = any(id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
         if ours and isinstance(optimizer, torch.optim.SGD):
             self._optimizers.append(weakref.ref(optimizer))
+        elif ours and self._mixed is None:
+            self._mixed = type(optimizer).__name__
+            if self._optimizers or any(issubclass(type(o), torch.optim.SGD) for o in self._checked):
+                log.warning(
+                    "gradsync: %s steps some of the model's parameters beside SGD: error memories "
+                    "stay in gradient units (not rescaled as SGD's rate changes)",
+                    self._mixed,
+                )
 
 
 def held_at(before: Rates | None, now: Rates | None) -> Rates | None:

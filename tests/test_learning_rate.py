@@ -169,7 +169,7 @@ def test_the_watcher_finds_sgd_over_the_model_only() -> None:
     watcher = LearningRate(model.parameters())
     assert watcher.now() is None  # nothing stepped yet
     elsewhere = torch.optim.SGD(other.parameters(), lr=0.5)
-    adam = torch.optim.Adam(model.parameters(), lr=0.3)
+    adam = torch.optim.Adam(other.parameters(), lr=0.3)
     groups = [{"params": model[0].parameters(), "lr": 0.2}, {"params": model[1].parameters()}]
     sgd = torch.optim.SGD(groups, lr=0.1)
     for optimizer in (elsewhere, adam, sgd):
@@ -181,6 +181,41 @@ def test_the_watcher_finds_sgd_over_the_model_only() -> None:
     later = torch.optim.SGD(model.parameters(), lr=0.7)
     later.step()  # not seen: the hook is gone
     assert watcher.now() == (0.4, 0.1)
+
+
+def test_rates_are_ordered_by_the_model_whichever_optimizer_steps_first() -> None:
+    # A restored run finds its optimizers among the live objects, in another order than the
+    # original run saw them step: the rates must line up with the memories' saved ones.
+    model = _model()
+    orders = []
+    for first_steps in (0, 1):
+        watcher = LearningRate(model.parameters())
+        optimizers = [
+            torch.optim.SGD(model[0].parameters(), lr=0.1),
+            torch.optim.SGD(model[1].parameters(), lr=0.01),
+        ]
+        optimizers[first_steps].step()
+        optimizers[1 - first_steps].step()
+        orders.append(watcher.now())
+        watcher.close()
+    assert orders == [(0.1, 0.01), (0.1, 0.01)]
+
+
+def test_an_optimizer_other_than_sgd_beside_sgd_leaves_memories_unscaled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A bucket's memory may hold both optimizers' parameters: SGD's rate must not scale Adam's.
+    model = _model()
+    watcher = LearningRate(model.parameters())
+    sgd = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    adam = torch.optim.Adam(model[1].parameters(), lr=0.3)
+    with caplog.at_level("WARNING", logger="gradsync"):
+        sgd.step()
+        assert watcher.now() == (0.1,)
+        adam.step()
+    assert watcher.now() is None
+    assert "Adam steps some of the model's parameters beside SGD" in caplog.text
+    watcher.close()
 
 
 def test_ratio_rules(caplog: pytest.LogCaptureFixture) -> None:
