@@ -23,8 +23,24 @@ log = logging.getLogger("gradsync")
 
 def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average one bucket with compression and error feedback."""
+    try:
+        return _hook(state, bucket)
+    except BaseException:
+        state._regroup = None  # a step that raised leaves no half-made regrouping to the next
+        raise
+
+
+def _hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     index, is_last = bucket.index(), bucket.is_last()
-    first_iteration = state._local_steps < state._initial_iterations  # DDP's initial buckets, rebuilt later
+    local_step = state._local_steps
+    if state._averaged is not None:
+        # Under static_graph, DDP's first iteration hands every bucket as index 0 and none as the
+        # last where it has several (parameters of two dtypes): the step ends once every
+        # parameter DDP averages has arrived.
+        arrived = (state._arrived[1] if state._arrived[0] == local_step else 0) + len(bucket.parameters())
+        state._arrived = (local_step, arrived)
+        is_last = is_last or arrived >= state._averaged
+    first_iteration = local_step < state._initial_iterations  # DDP's initial buckets, rebuilt later
     if is_last:
         state._local_steps += 1
     buffer = bucket.buffer()
@@ -35,6 +51,15 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         key = f"param {state._param_index[id(param)]}" if state._param_index else f"bucket {index}"
         return state.sync_rows(buffer, key, is_last)
     if state._param_index is None:  # installed by register_comm_hook, not register(): buckets only
+        if state.config.plan is not None:
+            # A plan's groups are sets of parameters; without the model there are only buckets
+            # (and a plan file, dict or "auto" is read by register(), which checks it).
+            raise ValueError(
+                f"SyncConfig(plan={_shown(state.config.plan)}) on a SyncState made without the model "
+                "(register_comm_hook, a framework's ddp_comm_state): its groups are sets of the model's "
+                "parameters, and this state sees DDP's buckets only; use gradsync.register(ddp_model, "
+                "config), or drop plan"
+            )
         if first_iteration:  # every parameter is in some bucket of DDP's first iteration
             state._watch(bucket.parameters())
         return state.sync(buffer, index, is_last, compress=not first_iteration)
@@ -43,7 +68,7 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if state.plan is not None:
         return _planned(state, bucket, params, is_last, first_iteration)
     if state._regroup is None and not first_iteration and index in state._layout_checked:
-        return state.sync(buffer, index, is_last, params=params)
+        return _in_place(state, buffer, index, is_last, params, local_step)
     if state._regroup is None:
         if first_iteration and not state.layout:
             # Nothing saved to follow, and compression state must be keyed by the rebuilt buckets
@@ -52,16 +77,35 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
             return state.sync(buffer, index, is_last, compress=False, params=params)
         if not first_iteration and _laid_out_as_saved(state, index, params):
             state._layout_checked.add(index)
-            return state.sync(buffer, index, is_last, params=params)
+            return _in_place(state, buffer, index, is_last, params, local_step)
         # DDP's buckets differ from those the state was made for (the first iteration of a fresh
-        # DDP model after a restore): sync the saved groups instead, for this step.
+        # DDP model after a restore, or another bucket_cap_mb): sync the saved groups instead, for
+        # this step, but for those synced in their buckets already.
+        done = state._in_place[1] if state._in_place[0] == local_step else set()
+        rest = {group: params for group, params in state.layout.items() if group not in done}
         log.info(
-            "gradsync: DDP's bucket %d is not laid out as the saved state's groups: step %d syncs the "
-            "%d saved groups, cut out of DDP's buckets",
-            *(index, state.step, len(state.layout)),
+            "gradsync: DDP's bucket %d is not laid out as the saved state's groups: step %d syncs %d "
+            "saved group(s), cut out of DDP's buckets",
+            *(index, state.step, len(rest)),
         )
-        state._regroup = Regroup(state.layout)
+        state._regroup = Regroup(rest)
     return _regrouped(state, bucket, params, is_last)
+
+
+def _in_place(
+    state: SyncState,
+    buffer: torch.Tensor,
+    index: int,
+    is_last: bool,
+    params: tuple[int, ...],
+    local_step: int,
+) -> Future[torch.Tensor]:
+    """Bucket `index`, laid out as the saved group of that index, synced in itself; recorded, so
+    that a later bucket of the step that is not laid out as saved regroups the other groups only."""
+    if state._in_place[0] != local_step:
+        state._in_place = (local_step, set())
+    state._in_place[1].add(index)
+    return state.sync(buffer, index, is_last, params=params)
 
 
 def _planned(
@@ -105,6 +149,11 @@ def _regrouped(state: SyncState, bucket: dist.GradBucket, params: tuple[int, ...
     if is_last:
         state._regroup = None
     return regroup.bucket_result(buffer, params, numels)
+
+
+def _shown(plan: object) -> str:
+    """A plan as an error names it: a file or "auto" as given, a Plan or dict by its kind."""
+    return repr(plan) if isinstance(plan, str) else f"<{type(plan).__name__}>"
 
 
 def _laid_out_as_saved(state: SyncState, index: int, params: tuple[int, ...]) -> bool:

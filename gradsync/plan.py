@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from .strategy import Strategy, parse
+from .sync import averaged
 
 VERSION = 2  # 2: strategies in gradsync.strategy's words (collective=, scheme=, none)
 
@@ -98,7 +99,7 @@ class Plan:
                 "SyncConfig(plan='auto'))"
             )
         params = list(model.parameters())
-        trainable = {i for i, p in enumerate(params) if p.requires_grad}
+        trainable = averaged(model)
         placed: dict[int, int] = {}
         for index, group in enumerate(self.groups):
             for param in group.params:
@@ -118,8 +119,9 @@ class Plan:
         if missing or extra:
             raise ValueError(
                 f"the plan's groups do not cover the model: trainable parameters {missing} are in no "
-                f"group and {extra} are in a group but are not trainable parameters of the model. "
-                "Every trainable parameter must be in exactly one group; make the plan afresh"
+                f"group and {extra} are in a group but are not parameters DDP averages (trainable, "
+                "not among those DDP was told to ignore). Every such parameter must be in exactly "
+                "one group; make the plan afresh"
             )
         if world_size is not None and world_size != self.world_size:
             raise ValueError(

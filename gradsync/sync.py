@@ -146,6 +146,8 @@ class SyncState:
         params = list(model.parameters()) if model is not None else []
         self._param_index: dict[int, int] | None = {id(p): i for i, p in enumerate(params)} if model else None
         self._param_shapes = [p.shape for p in params]
+        self._averaged = len(averaged(model)) if model is not None else None  # in DDP's buckets
+        self._arrived = (-1, 0)  # (a step of this process, its parameters that reached the hook)
         self._embeddings = _embedding_params(model) if model is not None else set()
         self._shapes_digest = checkpoint.digest(self._param_shapes) if model is not None else None
         self._device = params[0].device if params else None  # where a checkpoint's tensors go
@@ -167,6 +169,8 @@ class SyncState:
         self._regroup: Regroup | None = None  # this step's regrouping, while DDP's layout differs
         self._ddp_layout: dict[int, tuple[int, ...]] = {}  # with a plan: DDP's buckets as last seen
         self._direct: dict[tuple[int, ...], int] = {}  # plan groups laid out as a bucket: synced in place
+        # (a step of this process, its buckets synced in place as laid out in `layout`)
+        self._in_place: tuple[int, set[int]] = (-1, set())
         self._local_steps = 0  # steps this process's hook has seen: DDP rebuilds buckets after one
         # ... or after two with static_graph=True (its first iteration traces the graph)
         self._initial_iterations = 2 if getattr(model, "static_graph", False) else 1
@@ -797,6 +801,17 @@ class SyncState:
 def _key(planned: bool, group: int) -> str:
     """The sparse router's name for a group's payload: its scheme choices follow it."""
     return f"group {group}" if planned else f"bucket {group}"
+
+
+def averaged(model: nn.Module) -> set[int]:
+    """The positions (in model.parameters()) of the parameters DDP averages: the trainable ones,
+    but for those DDP was told to ignore (DistributedDataParallel's parameters_to_ignore, by
+    name in its module, as frameworks set for expert-parallel parameters)."""
+    ignored = getattr(model, "parameters_to_ignore", None) or ()
+    inner = getattr(model, "module", model) if ignored else model
+    return {
+        i for i, (name, p) in enumerate(inner.named_parameters()) if p.requires_grad and name not in ignored
+    }
 
 
 def _embedding_params(model: nn.Module) -> set[int]:

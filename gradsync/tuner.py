@@ -68,7 +68,7 @@ from .plan import Plan, signature
 from .sim import cluster as clusters
 from .sim.compute import Compute, Gradient
 from .strategy import Strategy
-from .sync import SyncState
+from .sync import SyncState, averaged
 
 log = logging.getLogger("gradsync")
 
@@ -95,6 +95,7 @@ class StepTimer:
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
         self.params = list(model.parameters())
+        self.averaged = averaged(model)  # those whose gradients DDP's buckets hold
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self._start: RemovableHandle | None = None
         self._handles: list[RemovableHandle] = []
@@ -111,7 +112,7 @@ class StepTimer:
         self._start = self.model.register_forward_pre_hook(self._forward_started)
         self._handles = [self.model.register_forward_hook(self._forward_ended)]
         for index, p in enumerate(self.params):
-            if p.requires_grad:
+            if index in self.averaged:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._ready_hook(index)))
 
     def _forward_started(self, *_: object) -> None:
@@ -183,13 +184,9 @@ def measure(
     values = [forward_s, backward_s, optimizer_s] + [ready.get(i, -1.0) for i in range(len(timer.params))]
     slowest = profile.slowest_rank(comm, values, device)
     forward_s, backward_s, optimizer_s = slowest[:3]
-    # A trainable parameter no rank saw a gradient for (unused in these steps) is still in DDP's
-    # buckets, so the plan must hold it: as if ready when the backward pass ends.
-    ready_s = {
-        i: t if t >= 0 else backward_s
-        for i, t in enumerate(slowest[3:])
-        if t >= 0 or timer.params[i].requires_grad
-    }
+    # A parameter DDP averages that no rank saw a gradient for (unused in these steps) is still
+    # in DDP's buckets, so the plan must hold it: as if ready when the backward pass ends.
+    ready_s = {i: t if t >= 0 else backward_s for i, t in enumerate(slowest[3:]) if i in timer.averaged}
     order = sorted(ready_s, key=lambda i: (ready_s[i], i))
     gradients, last = [], 0.0
     for i in order:

@@ -148,3 +148,133 @@ def test_torch_compile_trains_as_eager_does(one_rank: None) -> None:
     eager = train(fp16, one_bucket, net=Used)
     for a, b in zip(compiled, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("plan", ["auto", "plan.json"])
+def test_a_plan_on_a_state_made_without_the_model_is_refused_by_name(one_rank: None, plan: str) -> None:
+    # Such a state sees DDP's buckets only: a plan's groups (sets of parameters) would be taken
+    # by bucket index, or a plan file never read.
+    ddp = DistributedDataParallel(Used(), bucket_cap_mb=0.01)
+    ddp.register_comm_hook(gradsync.SyncState(SyncConfig(plan=plan)), gradsync.hook)
+    x, y = batch(0)
+    with pytest.raises(Exception, match=r"made without the model.*gradsync.register\(ddp_model"):
+        nn.functional.cross_entropy(ddp(x), y).backward()
+
+
+class Tower(nn.Module):
+    """A last layer larger than any bucket cap here (its own bucket), then three small ones:
+    bucket_cap_mb 0.02 buckets them [(7, 6), (5, 4, 3, 2), (1, 0)], 0.04 [(7, 6), (5, 4, 3, 2, 1, 0)]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(16, 64),
+            nn.Tanh(),
+            nn.Linear(64, 64),
+            nn.Tanh(),
+            nn.Linear(64, 64),
+            nn.Tanh(),
+            nn.Linear(64, 256),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def tower_steps(
+    cap_mb: float, steps: range, saved: dict | None = None
+) -> tuple[DistributedDataParallel, Any]:
+    ddp = DistributedDataParallel(Tower(), bucket_cap_mb=cap_mb)
+    state = gradsync.register(ddp, SyncConfig(warmup_steps=2, min_compress_numel=0))  # int4, ef
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    if saved is not None:
+        ddp.module.load_state_dict(saved["model"])
+        state.load_state_dict(saved["gradsync"])
+    for step in steps:
+        optimizer.zero_grad()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        ddp(x).square().mean().backward()
+        optimizer.step()
+    return ddp, state
+
+
+def test_a_state_resumed_under_another_bucket_cap_follows_its_saved_groups_exactly(one_rank: None) -> None:
+    # The fresh model's first bucket is laid out as a saved group and is synced in place; its
+    # second is not, and the other saved groups are cut out of it, step after step.
+    continuous, state = tower_steps(0.02, range(6))
+    assert list(state.layout.values()) == [(7, 6), (5, 4, 3, 2), (1, 0)]
+    first, state = tower_steps(0.02, range(3))
+    saved = {
+        "model": {k: v.clone() for k, v in first.module.state_dict().items()},
+        "gradsync": state.state_dict(),
+    }
+    resumed, state = tower_steps(0.04, range(3, 6), saved)
+    assert list(state.layout.values()) == [(7, 6), (5, 4, 3, 2), (1, 0)]
+    for a, b in zip(resumed.parameters(), continuous.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_parameters_ddp_ignores_are_left_out_of_plans(one_rank: None) -> None:
+    # Frameworks tell DDP to ignore some parameters (expert-parallel ones): they never reach
+    # the hook, so a plan must not hold them, and one that leaves them out must be accepted.
+    net = Used()
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["hidden.bias"])
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.01)
+    state = gradsync.register(ddp, SyncConfig(compressor="fp16", plan="auto", min_compress_numel=0))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(tuner.warmup_steps(state.config) + 3):
+        optimizer.zero_grad()
+        x, y = batch(step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    assert isinstance(state, AutoState) and state.plan is not None
+    planned = {param for group in state.plan.groups for param in group.params}
+    assert planned == {0, 2, 3, 4, 5}  # every parameter but hidden.bias (1)
+    state.plan.check(ddp)
+
+
+class TwoDtypes(nn.Module):
+    """A bf16 layer between fp32 ones: DDP buckets each dtype apart (two initial buckets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.last = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.middle.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.middle(self.first(x).to(torch.bfloat16)).float())
+
+
+def static_steps(steps: range, saved: dict | None = None) -> tuple[DistributedDataParallel, Any]:
+    ddp = DistributedDataParallel(TwoDtypes(), bucket_cap_mb=0.002, static_graph=True)
+    state = gradsync.register(ddp, SyncConfig(compressor="fp16", warmup_steps=2, min_compress_numel=0))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    if saved is not None:
+        ddp.module.load_state_dict(saved["model"])
+        state.load_state_dict(saved["gradsync"])
+    for step in steps:
+        optimizer.zero_grad()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        ddp(x).square().mean().backward()
+        optimizer.step()
+    return ddp, state
+
+
+def test_static_graphs_first_iteration_over_several_buckets_is_a_step_and_resumes_exactly(
+    one_rank: None,
+) -> None:
+    # There DDP hands every bucket as index 0 and none as the last: the step must still count,
+    # and a restored state's regrouping of it must not outlive it.
+    continuous, state = static_steps(range(6))
+    assert state.step == 6
+    first, state = static_steps(range(3))
+    saved = {
+        "model": {k: v.clone() for k, v in first.module.state_dict().items()},
+        "gradsync": state.state_dict(),
+    }
+    resumed, state = static_steps(range(3, 6), saved)
+    assert state.step == 6 and state._regroup is None
+    for a, b in zip(resumed.parameters(), continuous.parameters(), strict=True):
+        assert torch.equal(a, b)
