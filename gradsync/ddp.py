@@ -26,21 +26,22 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     try:
         return _hook(state, bucket)
     except BaseException:
-        state._regroup = None  # a step that raised leaves no half-made regrouping to the next
+        # A step that raised leaves no half-made regrouping, nor a count of arrivals, to the next.
+        state._regroup, state._arrived = None, (-1, 0)
         raise
 
 
 def _hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     index, is_last = bucket.index(), bucket.is_last()
     local_step = state._local_steps
-    if state._averaged is not None:
+    first_iteration = local_step < state._initial_iterations  # DDP's initial buckets, rebuilt later
+    if state._averaged is not None and state._initial_iterations > 1 and local_step == 0:
         # Under static_graph, DDP's first iteration hands every bucket as index 0 and none as the
-        # last where it has several (parameters of two dtypes): the step ends once every
-        # parameter DDP averages has arrived.
+        # last where it has several (parameters of two dtypes): there the step ends once every
+        # parameter DDP averages has arrived (nowhere else: is_last is DDP's own word).
         arrived = (state._arrived[1] if state._arrived[0] == local_step else 0) + len(bucket.parameters())
         state._arrived = (local_step, arrived)
         is_last = is_last or arrived >= state._averaged
-    first_iteration = local_step < state._initial_iterations  # DDP's initial buckets, rebuilt later
     if is_last:
         state._local_steps += 1
     buffer = bucket.buffer()

@@ -258,11 +258,14 @@ def register(
         _check_crossing(model, replicate_group)
     replicas = TorchComm(replicate_group) if replicate_group is not None else None
     state = ShardedState(config, TorchComm(None), model, replicas)
-    # Every rank's config compared over all of them, here, before training: a reduce-scatter's
-    # or a replica group's ranks alone would not see a difference outside it (those ranks would
-    # go on and wait for the ones that raised), and inside the backward pass, under pipeline
-    # parallelism, other stages' ranks may be waiting on this one's activations.
-    state._check_ranks_agree(collective_device(state._comm()))
+    # Every config compared here, before training, over each dimension of the model's mesh and
+    # then the replicas, each round passing on what the ones before gathered: every rank of them
+    # all ends with every config (one group alone would not see a difference outside it, and
+    # its ranks would go on and wait for those that raised). Not over the default group: a
+    # model sharded over part of the ranks (pipeline stages, a second model) is registered by
+    # that part only; not in the backward pass: other stages may wait on this one's activations.
+    comms = [TorchComm(group) for group in _mesh_groups(model)] + ([replicas] if replicas else [])
+    state._check_ranks_agree(collective_device(state._comm()), comms)
     if state.replica_state is not None:
         state.replica_state._ranks_agree = True  # the same config, compared above
     for index, module in enumerate(shards):
@@ -270,6 +273,15 @@ def register(
         if replicas is not None:
             module.set_all_reduce_hook(_ReplicaAllReduce(state, index, module))
     return state
+
+
+def _mesh_groups(model: nn.Module) -> list[dist.ProcessGroup]:
+    """The groups of the model's mesh, one per dimension (that of its first sharded parameter)."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    return []
 
 
 def _check_fp32(x: torch.Tensor, group: int) -> None:

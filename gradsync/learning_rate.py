@@ -118,6 +118,10 @@ class LearningRate:
         if optimizer in self._checked:
             return
         self._checked.add(optimizer)
+        if isinstance(getattr(optimizer, "optim", None), torch.optim.Optimizer):
+            # A wrapper (ZeroRedundancyOptimizer, PostLocalSGDOptimizer): the optimizer it wraps
+            # steps too, and is judged then.
+            return
         ours = any(id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
         if ours and isinstance(optimizer, torch.optim.SGD):
             self._optimizers.append(weakref.ref(optimizer))

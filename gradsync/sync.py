@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint, compress, exchange, feedback
 from .comm import (
@@ -607,9 +608,7 @@ class SyncState:
     def _begin(self, is_last: bool, device: torch.device) -> int:
         """The step this group belongs to; counts the step once its last group arrives."""
         if not self._ranks_agree:
-            check = "the check that every rank has the same SyncConfig"
-            with self._failures_named(check, "nothing was exchanged"):
-                self._check_ranks_agree(device)
+            self._check_ranks_agree(device)
         step = self.step
         if is_last:
             self.step += 1
@@ -727,18 +726,25 @@ class SyncState:
         kept = tuple(params) if shaped and params is not None else None  # shapes come from params
         return CompressionPoint(numel, codec, self.config.build_feedback(name), kept)
 
-    def _check_ranks_agree(self, device: torch.device) -> None:
+    def _check_ranks_agree(self, device: torch.device, comms: Sequence[Comm] = ()) -> None:
         """Fail on every rank, with the same message, when ranks were configured differently.
 
         Runs on the first call (at registration for FSDP), before any gradient is exchanged, so
         that differing settings (warm-up length, compressor) can never make ranks issue different
-        collectives and hang.
+        collectives and hang. `comms` (default: the state's): groups compared in turn, each
+        passing on every config the ones before gathered, so that where each group meets the next
+        at every rank (the dimensions of a mesh), every rank of them all ends with every config.
         """
-        fingerprints = allgather_object(self._comm(), self.config.fingerprint(), device)
-        if len(set(fingerprints)) > 1:  # and checked again on the next call: nothing may be exchanged
+        seen = {_global_rank(self._comm()): self.config.fingerprint()}
+        check = "the check that every rank has the same SyncConfig"
+        with self._failures_named(check, "nothing was exchanged"):
+            for comm in comms or (self._comm(),):
+                for part in allgather_object(comm, seen, device):
+                    seen.update(part)
+        if len(set(seen.values())) > 1:  # and checked again on the next call: nothing may be exchanged
             raise ValueError(
                 "gradsync: the ranks were given different SyncConfigs, so their gradients cannot be "
-                f"exchanged:\n{describe_differences(fingerprints)}\nPass the same SyncConfig on every rank."
+                f"exchanged:\n{describe_differences(seen)}\nPass the same SyncConfig on every rank."
             )
         self._ranks_agree = True
 
@@ -804,13 +810,18 @@ def _key(planned: bool, group: int) -> str:
 
 
 def averaged(model: nn.Module) -> set[int]:
-    """The positions (in model.parameters()) of the parameters DDP averages: the trainable ones,
-    but for those DDP was told to ignore (DistributedDataParallel's parameters_to_ignore, by
-    name in its module, as frameworks set for expert-parallel parameters)."""
-    ignored = getattr(model, "parameters_to_ignore", None) or ()
-    inner = getattr(model, "module", model) if ignored else model
+    """The positions (in model.parameters()) of the parameters DDP averages, by DDP's own rule
+    (DistributedDataParallel._build_params_for_reducer): each module's own trainable parameters
+    but for those DDP was told to ignore, named "<module>.<parameter>" in its module (so a root
+    module's own are never ignored), as frameworks set for expert-parallel parameters."""
+    ignored = getattr(model, "parameters_to_ignore", None) or set()
+    inner = getattr(model, "module", model) if isinstance(model, DistributedDataParallel) else model
+    position = {id(p): i for i, p in enumerate(model.parameters())}
     return {
-        i for i, (name, p) in enumerate(inner.named_parameters()) if p.requires_grad and name not in ignored
+        position[id(p)]
+        for module_name, module in inner.named_modules()
+        for name, p in module.named_parameters(recurse=False)
+        if p.requires_grad and f"{module_name}.{name}" not in ignored and id(p) in position
     }
 
 
@@ -838,11 +849,13 @@ def _registry_name(table: dict[str, type], obj: object) -> str:
     return next(name for name, cls in table.items() if type(obj) is cls)
 
 
-def describe_differences(fingerprints: Sequence[str]) -> str:
-    """Ranks grouped by config; each group names the fields where it differs from the most common."""
+def describe_differences(fingerprints: Sequence[str] | Mapping[int, str]) -> str:
+    """Ranks grouped by config (`fingerprints` in rank order, or by rank); each group names the
+    fields where it differs from the most common."""
+    by_rank = fingerprints if isinstance(fingerprints, Mapping) else dict(enumerate(fingerprints))
     groups: dict[str, list[int]] = {}
-    for rank, fingerprint in enumerate(fingerprints):
-        groups.setdefault(fingerprint, []).append(rank)
+    for rank in sorted(by_rank):
+        groups.setdefault(by_rank[rank], []).append(rank)
     common = max(groups, key=lambda f: len(groups[f]))  # first seen wins a tie
     reference = json.loads(common)
     lines = []
@@ -851,6 +864,12 @@ def describe_differences(fingerprints: Sequence[str]) -> str:
         differing = ", ".join(f"{k}={v!r}" for k, v in config.items() if reference.get(k) != v)
         lines.append(f"  ranks {ranks}: {differing or 'the most common config'}   (full: {fingerprint})")
     return "\n".join(lines)
+
+
+def _global_rank(comm: Comm) -> int:
+    """This process's rank in the default group, which names it in every group; the comm's own
+    rank in a world without one (LocalComm)."""
+    return dist.get_rank() if dist.is_initialized() else comm.rank
 
 
 def is_finite(t: torch.Tensor) -> bool:

@@ -315,6 +315,18 @@ def test_powersgd_undone_step_leaves_the_warmup_where_it_was() -> None:
     assert codec.payload_bytes(MATRIX.numel()) == before
 
 
+def test_powersgd_undone_step_puts_back_the_q_it_warm_starts_from() -> None:
+    # A world of one's compress keeps the step's Q at once: undo must take it back, so that the
+    # next step is the one that would have followed the step before.
+    codec, twin = warming_powersgd(rank_warmup_steps=0), warming_powersgd(rank_warmup_steps=0)
+    for c in (codec, twin):
+        c.compress(randn(MATRIX.numel(), seed=0))
+    codec.compress(randn(MATRIX.numel(), seed=1))
+    codec.undo()
+    x = randn(MATRIX.numel(), seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(codec.compress(x)[0], twin.compress(x)[0], strict=True))
+
+
 def test_powersgd_checkpoint_from_before_the_warmup_continues_at_its_rank() -> None:
     # Such a checkpoint holds the generator and Q at `rank`: its run had no warm-up.
     old = warming_powersgd(rank_warmup_steps=0)
@@ -696,3 +708,13 @@ def test_qsgd_sends_a_bucket_of_equal_values_at_any_magnitude(magnitude: float) 
     x = torch.full((1000,), magnitude).neg_()
     x[::3] = magnitude
     torch.testing.assert_close(round_trip(compress.build("qsgd", seed=0), x), x, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e-39])
+def test_qsgd_l2_norm_of_tiny_values_does_not_vanish(magnitude: float) -> None:
+    # Unbiased: the mean of many decodes of one value is the value, also where its square is
+    # below float32's range (the norm would be 0 and every decode 0).
+    x = torch.full((64,), magnitude)
+    codec = compress.build("qsgd", norm="l2", seed=0)
+    mean = torch.stack([round_trip(codec, x) for _ in range(200)]).double().mean()
+    assert abs(float(mean) / magnitude - 1) < 0.1

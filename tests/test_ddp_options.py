@@ -278,3 +278,45 @@ def test_static_graphs_first_iteration_over_several_buckets_is_a_step_and_resume
     assert state.step == 6 and state._regroup is None
     for a, b in zip(resumed.parameters(), continuous.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_parameters_frozen_after_ddp_was_built_still_step_once_per_iteration(one_rank: None) -> None:
+    # DDP's buckets hold what was trainable when it was built: the hook counts a step at DDP's
+    # last bucket, not by how many parameters are trainable now.
+    ddp = DistributedDataParallel(Used(), bucket_cap_mb=0.01, find_unused_parameters=True)
+    for p in ddp.module.hidden.parameters():
+        p.requires_grad_(False)
+    state = gradsync.register(ddp, SyncConfig(warmup_steps=2, min_compress_numel=0))
+    for step in range(4):
+        x, y = batch(step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    assert state.step == 4
+
+
+class Scaled(Used):
+    """A parameter of the root module itself, beside its layers'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize(
+    "ignored", [[], ["hidden.bias"], ["scale", "out.weight"], ["spare.weight", "spare.bias"]], ids=str
+)
+def test_the_parameters_gradsync_takes_ddp_to_average_are_ddps_own(
+    one_rank: None, ignored: list[str]
+) -> None:
+    # DDP names a parameter "<module>.<name>" when it checks what to ignore, so a root module's
+    # own ("scale") is never ignored: gradsync must follow DDP's rule, not the names as given.
+    from gradsync.sync import averaged
+
+    net = Scaled()
+    net.hidden.weight.requires_grad_(False)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ignored)
+    ddp = DistributedDataParallel(net)
+    position = {id(p): i for i, p in enumerate(ddp.parameters())}
+    assert averaged(ddp) == {position[id(p)] for p in ddp._build_params_for_reducer()[0]}

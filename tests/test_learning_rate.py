@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -215,6 +216,27 @@ def test_an_optimizer_other_than_sgd_beside_sgd_leaves_memories_unscaled(
         adam.step()
     assert watcher.now() is None
     assert "Adam steps some of the model's parameters beside SGD" in caplog.text
+    watcher.close()
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """Steps an SGD it wraps, as ZeroRedundancyOptimizer and PostLocalSGDOptimizer do."""
+
+    def __init__(self, params: Any) -> None:
+        params = list(params)
+        super().__init__(params, {"lr": 0.1})
+        self.optim = torch.optim.SGD(params, lr=0.1)
+
+    def step(self, closure: Any = None) -> None:
+        self.optim.step()
+
+
+def test_a_wrapper_of_sgd_is_not_taken_for_another_optimizer() -> None:
+    model = _model()
+    watcher = LearningRate(model.parameters())
+    wrapper = _Wrapper(model.parameters())
+    wrapper.step()
+    assert watcher.now() == (0.1,)
     watcher.close()
 
 

@@ -548,9 +548,9 @@ def test_ranks_found_configured_differently_are_checked_again_on_the_next_call(
 
     state, other, calls = new_state(), new_state(warmup_steps=WARMUP + 1), []
 
-    def gathered(comm: Any, fingerprint: str, device: Any) -> list[str]:
-        calls.append(fingerprint)
-        return [fingerprint, other.config.fingerprint()]
+    def gathered(comm: Any, seen: dict[int, str], device: Any) -> list[dict[int, str]]:
+        calls.append(seen)
+        return [seen, {1: other.config.fingerprint()}]
 
     monkeypatch.setattr(sync_module, "allgather_object", gathered)
     for _ in range(2):

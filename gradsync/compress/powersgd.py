@@ -106,6 +106,7 @@ class PowerSGD(WarmsUp, SeededCompressor):
         self._layout: Layout | None = None
         self._q: torch.Tensor | None = None  # every matrix's Q, end to end
         self._q_rank = self.rank  # the rank _q was made at: the warm-up changes it
+        self._q_before: tuple[torch.Tensor | None, int] | None = None  # what this step's Q replaced
         # Reused from step to step (a fresh one costs page faults each time): the input's float32
         # copy where it cannot be read in place, then the products that decode it.
         self._buffer: torch.Tensor | None = None
@@ -121,6 +122,7 @@ class PowerSGD(WarmsUp, SeededCompressor):
     def begin(self, x: torch.Tensor) -> tuple[Payload, Any]:
         layout = self.layout(x.numel())
         self.count_step()  # this step's rank is in its layout, carried to the later rounds
+        self._q_before = None  # nothing of this step kept yet
         source = self._source(x, layout)
         qs = self._views(self._start_q(layout, x.device), layout, "cols")
         p = torch.empty(_factor_numel(layout, "rows") + _exact_numel(layout), device=x.device)
@@ -285,7 +287,14 @@ class PowerSGD(WarmsUp, SeededCompressor):
 
     def _keep_q(self, q: torch.Tensor, layout: Layout) -> None:
         """Keep this step's summed Q to warm-start the next step, with the rank it was made at."""
+        self._q_before = (self._q, self._q_rank)
         self._q, self._q_rank = q.clone(), layout.rank
+
+    def undo(self) -> None:
+        super().undo()
+        if self._q_before is not None:  # kept already (a world of one's compress): put it back
+            self._q, self._q_rank = self._q_before
+            self._q_before = None
 
     def _start_q(self, layout: Layout, device: torch.device) -> torch.Tensor:
         """Q for this step's `layout`: the last step's, where warm-starting, its leading columns

@@ -44,7 +44,10 @@ class QSGD(SeededCompressor):
         flat = x.reshape(-1)
         numel = flat.numel()
         rows = padded_rows(flat, self.bucket_size, "qsgd")
-        norms = rows.norm(dim=1) if self.norm == "l2" else torch.maximum(rows.amax(1), rows.amin(1).neg())
+        if self.norm == "l2":  # in float64: squares of values below 1e-19 vanish in float32
+            norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).float()
+        else:
+            norms = torch.maximum(rows.amax(1), rows.amin(1).neg())
         # A zero bucket has a zero norm: dividing it by 1 keeps its levels at zero (and a bucket
         # of subnormal values keeps its own norm, which decoding multiplies back). Divide |v_i| by
         # the norm before multiplying by levels: levels / norm overflows for a subnormal norm.

@@ -69,8 +69,16 @@ def exchange(
     duplicates summed first (SparseRows.from_pairs): refused on one rank, they would leave the
     others waiting in the exchange.
     """
-    run = lookup(SCHEMES, "sparse scheme", scheme)
     rows = SparseRows.from_pairs(rows.indices, rows.values, rows.num_rows)  # as it is where in order
+    return run_scheme(rows, comm, scheme, finite, partition)
+
+
+def run_scheme(
+    rows: SparseRows, comm: Comm, scheme: str, finite: bool = True, partition: Partition | None = None
+) -> SparseResult:
+    """exchange() for rows known ascending and distinct (the router's: from_coo's and the
+    sparsifiers' payloads), which it does not check: on a GPU each check waits for the device."""
+    run = lookup(SCHEMES, "sparse scheme", scheme)
     if scheme == "balanced":
         return run(rows, comm, finite, partition)
     if partition is not None:

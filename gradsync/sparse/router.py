@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from . import exchange
+from . import run_scheme
 from .agsparse import gather
 from .cost import Sparsity, fastest
 from .hashing import hash_partition
@@ -148,7 +148,7 @@ class Router:
         partition = (
             hash_partition(rows.num_rows, comm.world_size, self.seed) if scheme == "balanced" else None
         )
-        return exchange(rows, comm, scheme, finite, partition)
+        return run_scheme(rows, comm, scheme, finite, partition)
 
     def _record(self, key: str, step: int, rows: SparseRows, result: SparseResult) -> None:
         self.last[key] = {

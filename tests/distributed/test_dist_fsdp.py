@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import gradsync
@@ -369,6 +369,20 @@ def registration_checks(rank: int, world_size: int) -> dict:
     return out
 
 
+def part_of_the_ranks(rank: int, world_size: int) -> dict:
+    # A model sharded over ranks 0 and 1 of 4 (a pipeline stage, a second model), registered by
+    # those two only: its configs are compared among them, not over every rank (which would wait).
+    pair = dist.new_group([0, 1])  # every rank makes it, as new_group asks
+    if rank >= 2:
+        return {"stepped": None}
+    mesh = DeviceMesh.from_group(pair, "cpu")
+    net = shard(make(0), mesh)
+    state = gradsync.register(net, config(compressor="int4", warmup_steps=0))
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(net(x), y).backward()
+    return {"stepped": state.step}
+
+
 def one_rank_shards(rank: int, world_size: int) -> dict:
     # Shards of one rank: FSDP runs no reduce-scatter, so only the replica hook sees the dtype.
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
@@ -398,3 +412,5 @@ def test_registration_compares_every_ranks_config_and_what_cannot_be_averaged_is
         assert "this run shards them over 2" in out["sharding"], (rank, out)
     for rank, out in enumerate(run_ranks(one_rank_shards, 2, timeout_s=60)):
         assert "reduce_dtype=torch.float32" in out["bf16"], (rank, out)
+    stepped = [out["stepped"] for out in run_ranks(part_of_the_ranks, 4, timeout_s=60, pg_timeout_s=20)]
+    assert stepped == [1, 1, None, None], stepped
