@@ -154,8 +154,9 @@ def choose(costs: np.ndarray, errors: np.ndarray, reference: np.ndarray) -> np.n
 
 
 def is_lossy(spec: str) -> bool:
-    """Whether a strategy's codec counts against the budget: everything but fp32 and the casts."""
-    return spec.split(":")[0] not in (NONE, "fp16", "bf16")
+    """Whether a strategy's codec counts against the budget: everything but fp32 and the casts
+    (and EXACT, which stands for them in `allowed`)."""
+    return spec.split(":")[0] not in (NONE, "fp16", "bf16", EXACT)
 
 
 def allowed(

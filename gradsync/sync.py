@@ -343,13 +343,19 @@ class SyncState:
                     "damaged; resume from an earlier checkpoint"
                 )
         with self._failures_named("load_state_dict", "nothing was loaded"):
-            reports = allgather_object(
-                comm, (problems, mine["step"] if mine and not problems else None), collective_device(comm)
-            )
-        refused = {rank: found for rank, (found, _) in enumerate(reports) if found}
-        steps = {rank: step for rank, (_, step) in enumerate(reports)}
+            shared = (mine["step"], self._shared_digest(mine)) if mine and not problems else (None, None)
+            reports = allgather_object(comm, (problems, *shared), collective_device(comm))
+        refused = {rank: found for rank, (found, _, _) in enumerate(reports) if found}
+        steps = {rank: step for rank, (_, step, _) in enumerate(reports)}
         if not refused and len(set(steps.values())) > 1:
             refused = {-1: [f"the ranks' states are of different steps {steps}: load one checkpoint's files"]}
+        elif not refused and len({digest for _, _, digest in reports}) > 1:
+            refused = {
+                -1: [
+                    "the ranks' states were saved by different runs (what every rank of one run holds alike "
+                    "differs): load one checkpoint's files"
+                ]
+            }
         if refused:
             lines = "\n".join(
                 f"  {'all ranks' if rank < 0 else f'rank {rank}'}: {'; '.join(found)}"
@@ -760,6 +766,11 @@ class SyncState:
             "layout": {index: list(params) for index, params in self.layout.items()},
             "sparse": self.sparse.state_dict(),
         }
+
+    def _shared_digest(self, state: Mapping[str, Any]) -> str | None:
+        """A digest of what every rank of one run holds alike in its part of a checkpoint, beyond
+        the step (plan="auto"'s plans and their order), which load_state_dict compares: None here."""
+        return None
 
     def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
         """What is wrong with this rank's own part of a checkpoint, each with what to do."""

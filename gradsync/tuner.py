@@ -44,7 +44,9 @@ serve this one feature, and splitting them would spread its timeline over severa
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import logging
 import math
 import statistics
@@ -351,6 +353,16 @@ class AutoState(SyncState):
         }
         return {**super()._own_state(), "auto": auto}
 
+    def _shared_digest(self, state: Mapping[str, Any]) -> str | None:
+        # Rank 0's candidates, their order and the plan adopted are every rank's; the times and
+        # what is carried are each rank's own.
+        auto = state["auto"]
+        shared = [
+            auto.get(key)
+            for key in ("measure_from", "candidates", "probe_from", "order", "adopted_at", "plan")
+        ]
+        return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
+
     def _state_problems(self, state: Mapping[str, Any]) -> list[str]:
         problems = super()._state_problems(state)
         if "auto" not in state:
@@ -429,10 +441,18 @@ class AutoState(SyncState):
         indices = [self._forward[k] for k in steps if k in self._forward]
         found = measure(self.timer, comm, self.config, self.names, indices, self._errors)
         buckets = [self._ddp_layout[i] for i in sorted(self._ddp_layout)]
-        mine = candidates(found, self.config, self.model_signature, buckets) if comm.rank == 0 else []
         # Every rank plans from the same numbers; rank 0's list is taken so that no rounding
-        # difference can make ranks probe, or adopt, different plans.
-        lists = allgather_object(comm, [p.to_dict() for p in mine], self.timer.device)
+        # difference can make ranks probe, or adopt, different plans. Where rank 0's planning
+        # fails, every rank raises its error: the others would otherwise wait in the gather.
+        mine: list[dict[str, Any]] | str = []
+        if comm.rank == 0:
+            try:
+                mine = [p.to_dict() for p in candidates(found, self.config, self.model_signature, buckets)]
+            except Exception as error:
+                mine = f"{type(error).__name__}: {error}"
+        lists = allgather_object(comm, mine, self.timer.device)
+        if isinstance(lists[0], str):
+            raise RuntimeError(f"gradsync plan='auto': planning failed on rank 0, so everywhere: {lists[0]}")
         self.candidates = [Plan.from_dict(p) for p in lists[0]]
         self.probe_from = max(self._started, self.config.warmup_steps)
         self.order = list(range(len(self.candidates)))

@@ -174,3 +174,14 @@ def test_powersgd_levels_are_measured_on_each_gradient_as_its_own_matrix() -> No
     total = float(gradient.square().sum())
     assert measured["powersgd:rank=2"] < 1e-8 * total
     assert measured["powersgd:rank=1"] > 1e-3 * total
+
+
+def test_a_group_may_go_exact_and_pass_its_share_of_the_budget_to_a_coarser_level_elsewhere() -> None:
+    # The user's int8 everywhere loses 5 + 1 = 6. Sending the small group exactly (0) lets the
+    # big one take int4 (4): 4 <= 6, and far cheaper than int8 on both.
+    spec_of = ["none", "int8", "int4"]
+    costs = np.array([[10.0, 9.0, 8.0], [200.0, 100.0, 50.0]])
+    errors = levels.Errors({"int8": (5.0, 1.0), "int4": (50.0, 4.0)}, own="int8")
+    valid = np.ones_like(costs, dtype=bool)
+    open_to = levels.allowed(spec_of, [[0], [1]], costs, valid, errors)
+    assert open_to.tolist() == [[True, False, False], [True, False, True]]

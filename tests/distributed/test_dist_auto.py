@@ -132,8 +132,20 @@ def _load_damaged_plan(rank: int, world_size: int, saved: list[dict[int, bytes]]
         own = {**own, "auto": {**own["auto"], "carry": ["not", "a", "dict"]}}
     with pytest.raises(ValueError) as tripped:
         state.load_state_dict(checkpoint.pack(own, rank))
+    # A file of another run at the same step, sound in itself: its candidates tried in another
+    # order (the ranks would exchange different plans' groups).
+    own, _ = checkpoint.own_part(torch.load(io.BytesIO(saved[rank][SAVE_AT["adopted"]]))["gradsync"], rank)
+    if rank == 1:
+        own = {**own, "auto": {**own["auto"], "order": own["auto"]["order"][::-1]}}
+    with pytest.raises(ValueError) as mixed:
+        state.load_state_dict(checkpoint.pack(own, rank))
     taken = (state.step, state.plan, state.candidates, state.adopted_at, state.points)
-    return {"message": str(refused.value), "tripped": str(tripped.value), "taken": taken}
+    return {
+        "message": str(refused.value),
+        "tripped": str(tripped.value),
+        "mixed": str(mixed.value),
+        "taken": taken,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +245,7 @@ def test_a_plan_damaged_on_one_rank_is_refused_on_every_rank_and_none_takes_any_
         assert "nothing was loaded" in run["message"], run["message"]
         assert "rank 1: its saved state cannot be rebuilt (ValueError: plan group 0" in run["message"]
         assert "rank 1: it is not a whole gradsync state (AttributeError" in run["tripped"], run["tripped"]
+        assert "all ranks: the ranks' states were saved by different runs" in run["mixed"], run["mixed"]
         assert run["taken"] == (0, None, [], None, {}), f"rank {rank} took part of the checkpoint"
 
 
@@ -240,3 +253,26 @@ def test_nothing_more_is_noted_of_the_steps_once_a_plan_is_adopted(auto_runs: li
     for run in auto_runs:
         assert len(run["noted"]) == STEPS - ADOPTED_AT - 1 > 1
         assert set(run["noted"]) == {run["noted"][0]}
+
+
+def _planning_fails_on_rank_0(rank: int, world_size: int) -> str | None:
+    def fails(*args: Any, **kwargs: Any) -> list[Plan]:
+        raise ValueError("no option fits the error budget")
+
+    tuner.candidates = fails  # only rank 0 plans
+    model = ddp(make_mlp(0))
+    gradsync.register(model, config(plan="auto", **CODEC))
+    opt = sgd(model)
+    try:
+        _steps(model, opt, rank, range(PROBE_FROM + 1))
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_planning_that_fails_on_rank_0_raises_on_every_rank_instead_of_leaving_them_waiting() -> None:
+    for rank, raised in enumerate(
+        run_ranks(_planning_fails_on_rank_0, WORLD, timeout_s=120, pg_timeout_s=30)
+    ):
+        assert raised is not None and "planning failed on rank 0" in raised, (rank, raised)
+        assert "no option fits the error budget" in raised, (rank, raised)
