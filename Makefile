@@ -34,7 +34,7 @@ bench-train: $(STAMP)
 		--strategies ddp,torch-fp16,torch-powersgd:rank=4,int4,int8,powersgd:rank=4,powersgd:rank=8,topk:ef=momentum,auto \
 		--steps 400 --eval-every 25 --out docs/bench-train-mlp-wide
 
-# The same for gpt-tiny (19.1M parameters, AdamW): the default, the quality-preserving int8 and
+# The same for gpt-tiny (19.1M parameters, Adam): the default, the quality-preserving int8 and
 # PowerSGD ranks 4 and 8, top-k with plain error feedback (momentum correction is for momentum SGD)
 # and plan="auto", against DDP and torch's fp16 and PowerSGD (rank 4) hooks. About 40 minutes.
 bench-train-gpt-tiny: $(STAMP)
@@ -70,7 +70,7 @@ bench-train-diloco-100mbit: $(STAMP)
 		--strategies ddp,int4,diloco:sync_every=50:compressor=int4,diloco:sync_every=50:compressor=int4:fragments=5:delay=2 \
 		--steps 400 --eval-every 25 --timeout 7200 --out docs/bench-train-diloco-100mbit
 
-# DiLoCo and Streaming DiLoCo on gpt-tiny (AdamW inner steps), 4 testbed hosts at 1 Gbit/s.
+# DiLoCo and Streaming DiLoCo on gpt-tiny (Adam inner steps), 4 testbed hosts at 1 Gbit/s.
 bench-train-diloco-gpt-tiny: $(STAMP)
 	$(BIN)/python -m gradsync bench train --workload gpt-tiny --world 4 --testbed \
 		--strategies ddp,diloco:sync_every=25:compressor=int4,diloco:sync_every=25:compressor=int4:fragments=5:delay=2 \

@@ -25,6 +25,7 @@ def test_every_published_result_records_its_commit_and_machine(
 ) -> None:
     meta = json.loads(results.read_text())["meta"]
     assert len(meta["commit"]) == 40, f"{results}: no commit recorded; measure it again"
+    assert not meta.get("dirty"), f"{results}: measured with uncommitted changes; measure it again"
     assert meta["machine"]["cores"] > 0 and meta["machine"]["torch"], f"{results}: no machine recorded"
 
 
@@ -49,3 +50,19 @@ def test_a_table_that_differs_from_its_results_is_reported_and_refresh_rewrites_
     assert tables.stale(page) == [] and not tables.refresh(page)
     results.unlink()
     assert tables.stale(page) == ["page.md: docs/results.json does not exist"]
+
+
+@pytest.mark.parametrize(
+    "page", sorted((tables.ROOT / "docs").rglob("results.md")), ids=lambda p: str(p.relative_to(tables.ROOT))
+)
+def test_every_results_page_is_what_its_results_file_renders(page: Path) -> None:
+    # A benchmark writes results.md beside results.json from the same document; a renderer
+    # changed since must not leave the page showing what it no longer writes.
+    document = json.loads((page.parent / "results.json").read_text())
+    rendered = []
+    for render in tables.RENDERERS.values():
+        try:
+            rendered.append(render(document) + "\n")
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+            continue  # another benchmark's renderer: not this document's
+    assert page.read_text() in rendered, "rewrite it from results.json with its benchmark's renderer"
