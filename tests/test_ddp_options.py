@@ -182,11 +182,12 @@ class Tower(nn.Module):
         return self.layers(x)
 
 
-def tower_steps(
-    cap_mb: float, steps: range, saved: dict | None = None
+def steps_from(
+    ddp: DistributedDataParallel, config: SyncConfig, steps: range, saved: dict | None = None
 ) -> tuple[DistributedDataParallel, Any]:
-    ddp = DistributedDataParallel(Tower(), bucket_cap_mb=cap_mb)
-    state = gradsync.register(ddp, SyncConfig(warmup_steps=2, min_compress_numel=0))  # int4, ef
+    """`steps` of plain SGD on `ddp` under gradsync with `config`, from `saved` (the module's and
+    gradsync's state) where given: a run, or a run resumed in a fresh model."""
+    state = gradsync.register(ddp, config)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     if saved is not None:
         ddp.module.load_state_dict(saved["model"])
@@ -197,6 +198,13 @@ def tower_steps(
         ddp(x).square().mean().backward()
         optimizer.step()
     return ddp, state
+
+
+def tower_steps(
+    cap_mb: float, steps: range, saved: dict | None = None
+) -> tuple[DistributedDataParallel, Any]:
+    ddp = DistributedDataParallel(Tower(), bucket_cap_mb=cap_mb)
+    return steps_from(ddp, SyncConfig(warmup_steps=2, min_compress_numel=0), steps, saved)  # int4, ef
 
 
 def test_a_state_resumed_under_another_bucket_cap_follows_its_saved_groups_exactly(one_rank: None) -> None:
@@ -249,17 +257,7 @@ class TwoDtypes(nn.Module):
 
 def static_steps(steps: range, saved: dict | None = None) -> tuple[DistributedDataParallel, Any]:
     ddp = DistributedDataParallel(TwoDtypes(), bucket_cap_mb=0.002, static_graph=True)
-    state = gradsync.register(ddp, SyncConfig(compressor="fp16", warmup_steps=2, min_compress_numel=0))
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    if saved is not None:
-        ddp.module.load_state_dict(saved["model"])
-        state.load_state_dict(saved["gradsync"])
-    for step in steps:
-        optimizer.zero_grad()
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-        ddp(x).square().mean().backward()
-        optimizer.step()
-    return ddp, state
+    return steps_from(ddp, SyncConfig(compressor="fp16", warmup_steps=2, min_compress_numel=0), steps, saved)
 
 
 def test_static_graphs_first_iteration_over_several_buckets_is_a_step_and_resumes_exactly(
