@@ -45,7 +45,7 @@ class LearningRate:
         # An optimizer other than SGD over some of ours: a memory holding their gradients as well
         # as SGD's would be rescaled whole by SGD's rate, so none is.
         self._mixed: str | None = None
-        self._warned = False
+        self._warned = self._warned_mixed = False
         self._searched = False  # whether now() looked for optimizers among the live objects
         # The global hook holds this object weakly, and is removed once it is collected.
         handle = register_optimizer_step_pre_hook(_Seen(weakref.ref(self)))
@@ -127,12 +127,13 @@ class LearningRate:
             self._optimizers.append(weakref.ref(optimizer))
         elif ours and self._mixed is None:
             self._mixed = type(optimizer).__name__
-            if self._optimizers or any(issubclass(type(o), torch.optim.SGD) for o in self._checked):
-                log.warning(
-                    "gradsync: %s steps some of the model's parameters beside SGD: error memories "
-                    "stay in gradient units (not rescaled as SGD's rate changes)",
-                    self._mixed,
-                )
+        if self._mixed is not None and self._optimizers and not self._warned_mixed:
+            self._warned_mixed = True  # once both are known, whichever stepped first
+            log.warning(
+                "gradsync: %s steps some of the model's parameters beside SGD: error memories "
+                "stay in gradient units (not rescaled as SGD's rate changes)",
+                self._mixed,
+            )
 
 
 def held_at(before: Rates | None, now: Rates | None) -> Rates | None:

@@ -44,11 +44,12 @@ def make(seed: int) -> nn.Module:
     return net
 
 
-def shard(net: nn.Module, mesh=None) -> nn.Module:
+def shard(net: nn.Module, mesh=None, policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    options = {"mp_policy": policy} if policy is not None else {}
     for layer in net:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **options)
+    fully_shard(net, mesh=mesh, **options)
     return net
 
 
@@ -280,6 +281,16 @@ def test_hsdp_memories_follow_the_learning_rate_in_both_exchanges() -> None:
         assert out["shard"] == out["replicas"] == {(out["lr"] * 2,)}, out
 
 
+def backward_refused(net: nn.Module, rank: int) -> str | None:
+    """What one backward pass of `net` is refused with (a ValueError's message), or None."""
+    x, y = batch(rank, 0)
+    try:
+        nn.functional.cross_entropy(net(x), y).backward()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def refusals(rank: int, world_size: int) -> dict:
     out = {}
     cases = {
@@ -301,19 +312,10 @@ def refusals(rank: int, world_size: int) -> dict:
             out[name] = None
         except ValueError as error:
             out[name] = str(error)
-    net = make(0)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduces in bf16, the gradients' dtype
-    for layer in net:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy)
-    fully_shard(net, mp_policy=policy)
+    net = shard(make(0), policy=policy)
     gradsync.register(net, config(compressor="bf16"))
-    x, y = batch(rank, 0)
-    try:
-        nn.functional.cross_entropy(net(x), y).backward()
-        out["bf16 reduction"] = None
-    except ValueError as error:
-        out["bf16 reduction"] = str(error)
+    out["bf16 reduction"] = backward_refused(net, rank)
     return out
 
 
@@ -346,12 +348,7 @@ def registration_checks(rank: int, world_size: int) -> dict:
     for layer in net:  # each module's own (the root's holds no parameters)
         if isinstance(layer, nn.Linear):
             layer.set_gradient_divide_factor(2.0)  # type: ignore[operator]
-    x, y = batch(rank, 0)
-    try:
-        nn.functional.cross_entropy(net(x), y).backward()
-        out["divide factor"] = None
-    except ValueError as error:
-        out["divide factor"] = str(error)
+    out["divide factor"] = backward_refused(net, rank)
     # A state saved sharded over all 4 ranks, loaded where the model is sharded over 2 of them.
     net = shard(make(0))
     state = gradsync.register(net, config(compressor="int4", warmup_steps=0))
@@ -386,19 +383,9 @@ def part_of_the_ranks(rank: int, world_size: int) -> dict:
 def one_rank_shards(rank: int, world_size: int) -> dict:
     # Shards of one rank: FSDP runs no reduce-scatter, so only the replica hook sees the dtype.
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    net = make(0)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for layer in net:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh["shard"], mp_policy=policy)
-    fully_shard(net, mesh=mesh["shard"], mp_policy=policy)
+    net = shard(make(0), mesh["shard"], MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     gradsync.register(net, config(compressor="int4"), replicate_group=mesh["replicate"].get_group())
-    x, y = batch(rank, 0)
-    try:
-        nn.functional.cross_entropy(net(x), y).backward()
-        return {"bf16": None}
-    except ValueError as error:
-        return {"bf16": str(error)}
+    return {"bf16": backward_refused(net, rank)}
 
 
 def test_registration_compares_every_ranks_config_and_what_cannot_be_averaged_is_refused() -> None:
