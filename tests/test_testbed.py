@@ -3,6 +3,7 @@
 import dataclasses
 import ipaddress
 import json
+import os
 import select
 import signal
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from gradsync import testbed as tb
+from gradsync.testbed import probing
+from gradsync.testbed import state as tb_state
 
 SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -277,6 +280,33 @@ def test_up_removes_gsync_namespaces_no_state_explains(root_testbed):
     tb.down()
 
 
+def test_a_testbed_another_running_process_owns_is_not_reused_and_up_says_to_wait(root_testbed):
+    # A second benchmark on it would lose its network when the owner's run ends and removes it.
+    built = tb.up(2, "100mbit", "0", persistent=True)
+    owner = subprocess.Popen(["sleep", "60"])
+    try:
+        tb_state._write_state(built, tb_state._process_identity(owner.pid), complete=True)
+        assert tb.current() is None
+        with pytest.raises(tb.TestbedError, match=rf"built for the run of pid {owner.pid}.*wait for it"):
+            tb.up(2, "100mbit", "0")
+        assert _netns() == ["gsync-h0", "gsync-h1", "gsync-sw"]  # the owner's testbed is left alone
+        tb_state._write_state(built, tb_state._process_identity(os.getpid()), complete=True)
+        assert tb.current() == built  # this process's own
+    finally:
+        owner.kill()
+        owner.wait(timeout=10)
+
+
+def test_a_reader_who_cannot_write_run_finds_roots_record_there(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setattr(tb_state, "_RUN", run)
+    monkeypatch.setattr(tb_state.os, "access", lambda path, mode: False)  # not root
+    assert tb_state.state_path().parent != run  # nothing recorded: the temp directory
+    (run / "gradsync-testbed.json").write_text("{}")  # root's record
+    assert tb_state.state_path() == run / "gradsync-testbed.json"
+
+
 def test_probe_whose_rank_cannot_start_raises_with_its_stderr_and_leaves_nothing(root_testbed):
     with tb.session(2, "100mbit", "0") as testbed:
         broken = dataclasses.replace(testbed.hosts[1], netns="gsync-missing")
@@ -290,10 +320,32 @@ def test_probe_whose_rank_cannot_start_raises_with_its_stderr_and_leaves_nothing
 
 def test_probe_past_its_timeout_kills_the_ranks_and_raises(root_testbed):
     with tb.session(2, "10mbit", "0") as testbed:
-        with pytest.raises(tb.TestbedError, match=r"still running after timeout_s=3"):
+        with pytest.raises(tb.TestbedError, match=r"still running after timeout_s=3.*--no-probe"):
             tb.probe(testbed, megabytes=64, repeats=1, timeout_s=3)  # ~55 s of traffic at 10 Mbit/s
         assert _pids_in("gsync-h0") == [] and _pids_in("gsync-h1") == []
     assert _netns() == []
+
+
+def test_a_default_probe_of_a_slow_link_is_sized_to_finish_and_measures_its_rate(root_testbed):
+    # 64 MB at 10 Mbit/s would take 51 s per allreduce, past the fixed 120 s deadline of old.
+    with tb.session(2, "10mbit", "0") as testbed:
+        megabytes, timeout_s = probing._sized(testbed.bandwidth_bits_per_s, 2, 3)
+        assert megabytes * 1e6 * 8 / 10e6 == pytest.approx(probing._PROBE_S)  # one allreduce's share
+        started = time.monotonic()
+        measured = tb.probe(testbed)
+        assert time.monotonic() - started < timeout_s / 4 + 15
+        assert 0.5 * 10e6 < measured < 1.15 * 10e6
+
+
+def test_the_default_probe_is_64_mb_on_fast_links_and_its_deadline_covers_what_it_sends() -> None:
+    assert probing._sized(1e9, 4, 3)[0] == 64.0
+    for bits_per_s, world in [(1e9, 4), (20e6, 4), (1e6, 8)]:
+        megabytes, timeout_s = probing._sized(bits_per_s, world, 3)
+        sent_bits = 4 * 8 * megabytes * 1e6 * 2 * (world - 1) / world  # warm-up and 3 repeats, per link
+        assert sent_bits / bits_per_s <= 4 * probing._PROBE_S + 1e-9
+        assert timeout_s >= max(120.0, 4 * sent_bits / bits_per_s) - 1e-9
+    # An explicit size gets a deadline for its own traffic.
+    assert probing._sized(10e6, 2, 1, megabytes=64)[1] == pytest.approx(4 * 2 * 64e6 * 8 / 10e6)
 
 
 def test_up_that_fails_midway_removes_what_it_built_and_names_the_command(root_testbed, monkeypatch):
@@ -309,3 +361,16 @@ def test_up_that_fails_midway_removes_what_it_built_and_names_the_command(root_t
         tb.up(2, "100mbit", "0")
     assert _netns() == []
     assert not tb.state_path().exists()
+
+
+def test_the_cli_reports_a_testbed_error_as_one_line_and_fails(monkeypatch, capsys):
+    from gradsync.cli import main
+
+    message = "down() needs root to delete network namespaces (euid is 1000); run it as root"
+
+    def refuse() -> list[str]:
+        raise tb.TestbedError(message)
+
+    monkeypatch.setattr(tb, "down", refuse)
+    assert main(["testbed", "down"]) == 1
+    assert capsys.readouterr().err.strip() == f"gradsync: error: {message}"  # no traceback

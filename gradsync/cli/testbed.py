@@ -23,7 +23,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .. import testbed
 
     if args.action == "down":
-        removed = testbed.down()
+        try:
+            removed = testbed.down()
+        except testbed.TestbedError as err:
+            return _failed(err)
         print(f"removed {', '.join(removed)}" if removed else "no testbed was up")
         return 0
     if args.action == "status":
@@ -39,10 +42,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         bed = testbed.up(args.hosts, args.bandwidth, args.latency)
     except ValueError as err:
         parser.error(str(err))
+    except testbed.TestbedError as err:
+        return _failed(err)
     print(f"up: {bed.describe()}")
     if not args.no_probe:
         from ..bench.train import describe_probe
 
-        print(describe_probe(testbed.probe(bed), bed))
+        try:
+            print(describe_probe(testbed.probe(bed), bed))
+        except testbed.TestbedError as err:
+            _failed(err)  # the testbed stays up: it was built, only its measurement failed
+            print("the testbed is up, unmeasured; `gradsync testbed down` removes it", file=sys.stderr)
+            return 1
     print("run `gradsync bench train --testbed ...` on it; `gradsync testbed down` removes it")
     return 0
+
+
+def _failed(err: Exception) -> int:
+    print(f"gradsync: error: {err}", file=sys.stderr)
+    return 1

@@ -124,10 +124,16 @@ def up(hosts: int, bandwidth: str = "1gbit", latency: str = "0.2ms", persistent:
         live = _clean_stale()
         if live is not None:
             owner = live.get("owner")
-            who = "persistent" if owner is None else f"owned by pid {owner['pid']}"
+            described = Testbed.from_dict(live["testbed"]).describe()
+            if owner is None:
+                raise TestbedError(
+                    f"a testbed is already up ({described}, persistent); reuse it with current(), "
+                    "or remove it with down() / `gradsync testbed down` first"
+                )
             raise TestbedError(
-                f"a testbed is already up ({Testbed.from_dict(live['testbed']).describe()}, {who}); "
-                "reuse it with current(), or remove it with down() / `gradsync testbed down` first"
+                f"a testbed is already up ({described}), built for the run of pid {owner['pid']}, "
+                "which removes it when that run ends; wait for it (two runs at once would also "
+                "share the links and the cores), or end it and run `gradsync testbed down`"
             )
         owner = None if persistent else _process_identity(os.getpid())
         # Recorded before building, so a build killed midway is recognised as stale later.
@@ -136,8 +142,10 @@ def up(hosts: int, bandwidth: str = "1gbit", latency: str = "0.2ms", persistent:
             for argv in commands:
                 _run(argv)
         except BaseException:
-            _delete_namespaces(_namespaces())
-            _remove_state()
+            try:
+                _delete_namespaces(_namespaces())
+            finally:
+                _remove_state()  # also where a namespace survived deletion: that error names it
             raise
         _write_state(testbed, owner, complete=True)
     return testbed
@@ -157,9 +165,14 @@ def down() -> list[str]:
 
 
 def current() -> Testbed | None:
-    """The live testbed the state file describes, or None if there is none or it is stale."""
+    """The live testbed this process may use: a persistent one (`gradsync testbed up`) or its own;
+    None if there is none, it is stale, or it belongs to another running process, whose run
+    removes it when it ends (a second run on it would lose its network midway)."""
     state = _read_state()
     if state is None or not state.get("complete") or _stale_reason(state, _namespaces()) is not None:
+        return None
+    owner = state.get("owner")
+    if owner is not None and owner != _process_identity(os.getpid()):
         return None
     return Testbed.from_dict(state["testbed"])
 

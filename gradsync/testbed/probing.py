@@ -24,26 +24,40 @@ from .netns import _resolved, _run
 # Bound on waiting for a killed rank to exit.
 _KILL_TIMEOUT_S = 5.0
 
+# Seconds of the configured rate a default probe's allreduce lasts at most: long enough that a
+# shaped link's burst allowance (32 KiB, or 1 ms of its rate) does not count, short enough for
+# slow links.
+_PROBE_S = 2.0
+
 _PROBE_RESULT_PREFIX = "GSYNC_PROBE_SECONDS "
 _REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def probe(testbed: Testbed, megabytes: float = 64, repeats: int = 3, timeout_s: float = 120) -> float:
+def probe(
+    testbed: Testbed, megabytes: float | None = None, repeats: int = 3, timeout_s: float | None = None
+) -> float:
     """Ring "bus bandwidth" in bits/s of a gloo allreduce of `megabytes` MB (1e6 bytes) of float32,
     one rank per host: 8 * bytes * 2(n-1)/n / median seconds, the per-link rate the ring achieved.
 
     Each rank does a warm-up allreduce, then `repeats` timed ones; a repeat's time is the slowest
     rank's. Children are killed on failure or after `timeout_s`; failure raises TestbedError with
-    their stderr.
+    their stderr. By default the allreduce is 64 MB, or what the configured rate moves in about
+    _PROBE_S seconds where that is less (a slow link), and the deadline leaves room for 4 times
+    the time the rate allows.
     """
     world_size = len(testbed.hosts)
     if world_size < 2:
         raise ValueError(f"probe needs at least 2 hosts to allreduce between; this testbed has {world_size}")
-    if not (megabytes > 0 and isinstance(repeats, int) and repeats >= 1 and timeout_s > 0):
+    positive = [value is None or value > 0 for value in (megabytes, timeout_s)]
+    if not (all(positive) and isinstance(repeats, int) and repeats >= 1):
         raise ValueError(
             f"megabytes={megabytes}, repeats={repeats}, timeout_s={timeout_s} must all be positive "
-            "(repeats an integer >= 1), e.g. probe(testbed, megabytes=64, repeats=3, timeout_s=120)"
+            "(repeats an integer >= 1) or None (sized from the link's rate), "
+            "e.g. probe(testbed, megabytes=64, repeats=3, timeout_s=120)"
         )
+    sized_megabytes, sized_timeout_s = _sized(testbed.bandwidth_bits_per_s, world_size, repeats, megabytes)
+    megabytes = sized_megabytes if megabytes is None else megabytes
+    timeout_s = sized_timeout_s if timeout_s is None else timeout_s
     numel = max(1, int(megabytes * 1e6 / 4))
     job = {
         "MASTER_ADDR": testbed.hosts[0].address,
@@ -56,6 +70,18 @@ def probe(testbed: Testbed, megabytes: float = 64, repeats: int = 3, timeout_s: 
     seconds = _run_ranks(testbed, job, timeout_s)
     nbytes = 4 * numel
     return 8 * nbytes * 2 * (world_size - 1) / world_size / statistics.median(seconds)
+
+
+def _sized(
+    bits_per_s: float, world_size: int, repeats: int, megabytes: float | None = None
+) -> tuple[float, float]:
+    """The default probe's allreduce size in MB (64, or what `bits_per_s` moves in _PROBE_S
+    seconds where less) and its deadline: 4 times the time the rate allows for the warm-up and the
+    `repeats` allreduces of `megabytes` (the default size where None), and at least 120 s."""
+    per_link = 2 * (world_size - 1) / world_size  # bytes each link carries per byte reduced
+    default = min(64.0, bits_per_s / 8 * _PROBE_S / per_link / 1e6)
+    expected_s = (repeats + 1) * 8 * (megabytes or default) * 1e6 * per_link / bits_per_s
+    return default, max(120.0, 4 * expected_s)
 
 
 def free_port(host: Host) -> int:
@@ -120,7 +146,10 @@ def _wait_for_ranks(ranks: list[_Rank], timeout_s: float) -> str | None:
             return None
         if time.monotonic() > deadline:
             running = [index for index, code in codes.items() if code is None]
-            return f"ranks {running} still running after timeout_s={timeout_s:g}; killed them"
+            return (
+                f"ranks {running} still running after timeout_s={timeout_s:g}; killed them (a link "
+                "slower than it was shaped? probe a smaller megabytes, or skip the probe: --no-probe)"
+            )
         time.sleep(0.05)
 
 

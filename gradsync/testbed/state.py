@@ -25,11 +25,17 @@ from .netns import _delete_namespaces, _namespaces
 _LOCK_TIMEOUT_S = 60.0
 
 
+_RUN = Path("/run")
+
+
 def state_path() -> Path:
-    """Where the live testbed is recorded: /run if writable, else the system temp directory."""
-    run = Path("/run")
-    base = run if run.is_dir() and os.access(run, os.W_OK) else Path(tempfile.gettempdir())
-    return base / "gradsync-testbed.json"
+    """Where the live testbed is recorded: /run where root can write it (the testbed needs root),
+    else the system temp directory. A reader without root, who cannot write /run, still finds
+    root's record there (`gradsync testbed status` as a user)."""
+    recorded = _RUN / "gradsync-testbed.json"
+    if _RUN.is_dir() and (os.access(_RUN, os.W_OK) or recorded.exists()):
+        return recorded
+    return Path(tempfile.gettempdir()) / "gradsync-testbed.json"
 
 
 def _process_identity(pid: int) -> dict[str, int] | None:
