@@ -71,6 +71,29 @@ def test_simulate_refuses_bad_input_with_exit_code_2(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+def test_options_a_profile_replaces_are_named_as_having_no_effect(capsys):
+    with pytest.raises(SystemExit):  # the profile does not exist: only the warnings matter here
+        main(["simulate", "--gantt", "", "--profile", "/nonexistent/profile.json", "--inter", "100gbit"])
+    err = capsys.readouterr().err
+    assert "--inter has no effect: --profile simulates the model and cluster it measured" in err
+    assert "--nodes has no effect" not in err  # left at its default
+
+
+def test_without_matplotlib_simulate_fails_before_simulating_and_names_the_fix(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a)
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--strategy", "none"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr()
+    assert "pip install 'gradsync[bench]', or pass --gantt ''" in err.err
+    assert err.out == ""  # nothing simulated first
+
+
 def test_bench_sim_tables_scale_and_predictions(tmp_path):
     options = simulator.SimBenchOptions(
         models=("resnet50", "bert-base"), scale_workers=(64,), strategies=("none", "fp16"), repeats=1

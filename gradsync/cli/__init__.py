@@ -49,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "list":
         return _list(args.json)
     if args.command in COMMANDS:
+        if args.command == "simulate" and args.gantt and importlib.util.find_spec("matplotlib") is None:
+            parsers["simulate"].error(
+                "gradsync simulate draws its timelines (--gantt) with matplotlib, which is not "
+                "installed: pip install 'gradsync[bench]', or pass --gantt '' for none"
+            )
         return COMMANDS[args.command].run(args, parsers[args.command])
     if args.command == "bench":
         if args.bench in _PLOTTING:

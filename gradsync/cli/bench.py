@@ -128,6 +128,20 @@ def add_network_options(parser: argparse.ArgumentParser, testbed_group: Any) -> 
     parser.add_argument("--no-probe", action="store_true", help="skip the testbed's bandwidth probe")
 
 
+def network_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[bool, str, str, bool]:
+    """--testbed, --bandwidth, --latency and whether to probe; a warning for each testbed option
+    given without --testbed (the ranks then run on loopback, which has no links to shape)."""
+    if not args.testbed:
+        for dest in ("bandwidth", "latency", "no_probe"):
+            if getattr(args, dest) != parser.get_default(dest):
+                print(
+                    f"gradsync bench: warning: --{dest.replace('_', '-')} has no effect without "
+                    "--testbed: the ranks run on loopback",
+                    file=sys.stderr,
+                )
+    return args.testbed, args.bandwidth, args.latency, not args.no_probe
+
+
 def _bench_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..bench import report, train
 
@@ -154,10 +168,7 @@ def _bench_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return train.run_and_report(
         lambda network: train.run(options, network, progress=not args.no_progress),
         options.world_size,
-        args.testbed,
-        args.bandwidth,
-        args.latency,
-        not args.no_probe,
+        *network_of(args, parser),
         report.table,
         report.write,
         args.out,
@@ -229,10 +240,7 @@ def _bench_sparse(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return train.run_and_report(
         lambda network: sparse.run(options, network, _say),
         options.hosts,
-        args.testbed,
-        args.bandwidth,
-        args.latency,
-        not args.no_probe,
+        *network_of(args, parser),
         sparse.table,
         sparse.write,
         args.out,
@@ -280,10 +288,7 @@ def _bench_script(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return train.run_and_report(
         lambda network: script.run(options, network, _say),
         options.world_size,
-        args.testbed,
-        args.bandwidth,
-        args.latency,
-        not args.no_probe,
+        *network_of(args, parser),
         script.table,
         script.write,
         args.out,
