@@ -65,9 +65,9 @@ def _hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[tor
             state._watch(bucket.parameters())
         return state.sync(buffer, index, is_last, compress=not first_iteration)
     params = tuple(state._param_index[id(p)] for p in bucket.parameters())
-    state._ddp_layout[index] = params
+    state._ddp_layout[index] = (local_step, params)
     if state.plan is not None:
-        return _planned(state, bucket, params, is_last, first_iteration)
+        return _planned(state, bucket, params, is_last, local_step)
     if state._regroup is None and not first_iteration and index in state._layout_checked:
         return _in_place(state, buffer, index, is_last, params, local_step)
     if state._regroup is None:
@@ -110,7 +110,7 @@ def _in_place(
 
 
 def _planned(
-    state: SyncState, bucket: dist.GradBucket, params: tuple[int, ...], is_last: bool, first_iteration: bool
+    state: SyncState, bucket: dist.GradBucket, params: tuple[int, ...], is_last: bool, local_step: int
 ) -> Future[torch.Tensor]:
     """The hook under a plan: warm-up steps average DDP's buckets uncompressed; from the first
     compressed step on, the plan's groups are cut out of the buckets and each exchanged by its own
@@ -123,7 +123,15 @@ def _planned(
     if state._regroup is None:
         if state.step < state.config.warmup_steps:
             return state.sync(bucket.buffer(), bucket.index(), is_last, compress=False, params=params)
-        buckets = set(state._ddp_layout.values()) if not first_iteration else set()
+        # This step's first bucket, and the last step's others where DDP had rebuilt them by then
+        # (it rebuilds after its first iterations; a bucket of an earlier layout may be gone).
+        if local_step < state._initial_iterations:
+            current: set[int] = set()  # DDP's initial buckets, rebuilt later
+        elif local_step == state._initial_iterations:
+            current = {local_step}
+        else:
+            current = {local_step, local_step - 1}
+        buckets = {group for seen, group in state._ddp_layout.values() if seen in current}
         state._direct = {group: index for index, group in state.layout.items() if group in buckets}
         direct = set(state._direct.values())
         state._regroup = Regroup({i: g for i, g in state.layout.items() if i not in direct})

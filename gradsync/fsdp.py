@@ -265,7 +265,7 @@ def register(
     # model sharded over part of the ranks (pipeline stages, a second model) is registered by
     # that part only; not in the backward pass: other stages may wait on this one's activations.
     comms = [TorchComm(group) for group in _mesh_groups(model)] + ([replicas] if replicas else [])
-    state._check_ranks_agree(collective_device(state._comm()), comms)
+    state._check_ranks_agree(collective_device(state._comm(), state._device), comms)
     if state.replica_state is not None:
         state.replica_state._ranks_agree = True  # the same config, compared above
     for index, module in enumerate(shards):

@@ -95,15 +95,20 @@ class Lane:
             self._thread = threading.Thread(target=self._serve, name="gradsync-lane", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """End the lane's thread once what is queued has been issued (at interpreter exit);
-        wait for it at most `timeout_s`."""
+    def stop(self, timeout_s: float = 10.0, *, for_good: bool = False) -> None:
+        """End the lane's thread once what is queued has been issued; wait for it at most
+        `timeout_s`. A later program starts a thread again, which idles as before unless the lane
+        was stopped `for_good` (at interpreter exit): then each ends once its queue is empty."""
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join(timeout=max(timeout_s, 0.0))
+        if not for_good:
+            with self._changed:
+                if self._thread is None:  # ended: the next one is an ordinary lane thread
+                    self._stopping = False
 
     def _serve(self) -> None:
         while True:
@@ -146,5 +151,5 @@ _LANES: weakref.WeakSet[Lane] = weakref.WeakSet()
 def _stop_lanes() -> None:
     deadline = time.monotonic() + 10.0  # one bound for all: a lane stuck in a collective delays exit once
     for lane in list(_LANES):
-        lane.stop(deadline - time.monotonic())
+        lane.stop(deadline - time.monotonic(), for_good=True)
     let_go_of_groups(max(deadline - time.monotonic(), 0.0))

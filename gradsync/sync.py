@@ -147,7 +147,7 @@ class SyncState:
         params = list(model.parameters()) if model is not None else []
         self._param_index: dict[int, int] | None = {id(p): i for i, p in enumerate(params)} if model else None
         self._param_shapes = [p.shape for p in params]
-        self._averaged = len(averaged(model)) if model is not None else None  # in DDP's buckets
+        self._averaged = _reducer_params(model) if model is not None else None  # in DDP's buckets
         self._arrived = (-1, 0)  # (a step of this process, its parameters that reached the hook)
         self._embeddings = _embedding_params(model) if model is not None else set()
         self._shapes_digest = checkpoint.digest(self._param_shapes) if model is not None else None
@@ -168,7 +168,9 @@ class SyncState:
         self.sparse = Router(config.sparse_scheme, config.sparse_every, config.seed)
         self._layout_checked: set[int] = set()  # buckets seen laid out as in `layout`
         self._regroup: Regroup | None = None  # this step's regrouping, while DDP's layout differs
-        self._ddp_layout: dict[int, tuple[int, ...]] = {}  # with a plan: DDP's buckets as last seen
+        # With a plan: DDP's buckets as last seen, each with the local step it was seen at (an
+        # index a later layout has not reached again holds an earlier layout's bucket).
+        self._ddp_layout: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._direct: dict[tuple[int, ...], int] = {}  # plan groups laid out as a bucket: synced in place
         # (a step of this process, its buckets synced in place as laid out in `layout`)
         self._in_place: tuple[int, set[int]] = (-1, set())
@@ -207,10 +209,12 @@ class SyncState:
         self._executed = {}
 
     def close(self) -> None:
-        """Remove what gradsync added to the model besides its hook (plan="auto"'s timers) and
-        stop watching the optimizer's steps (gradsync.learning_rate)."""
+        """Remove what gradsync added to the model besides its hook (plan="auto"'s timers), stop
+        watching the optimizer's steps (gradsync.learning_rate) and end the lane's thread (it
+        would otherwise idle a minute; a later exchange starts one again)."""
         if self._learning_rate is not None:
             self._learning_rate.close()
+        self.lane.stop()
 
     def sync(
         self,
@@ -316,9 +320,9 @@ class SyncState:
             check_int("to", to, 0, comm.world_size - 1, why="a rank of the state's process group")
         with self._failures_named("full_state_dict", "nothing was saved"):
             if to is None:
-                parts = allgather_object(comm, own, collective_device(comm))
+                parts = allgather_object(comm, own, collective_device(comm, self._device))
             else:
-                parts = gather_object(comm, own, to, collective_device(comm)) or []
+                parts = gather_object(comm, own, to, collective_device(comm, self._device)) or []
         return {key: value for part in parts for key, value in part.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -344,7 +348,7 @@ class SyncState:
                 )
         with self._failures_named("load_state_dict", "nothing was loaded"):
             shared = (mine["step"], self._shared_digest(mine)) if mine and not problems else (None, None)
-            reports = allgather_object(comm, (problems, *shared), collective_device(comm))
+            reports = allgather_object(comm, (problems, *shared), collective_device(comm, self._device))
         refused = {rank: found for rank, (found, _, _) in enumerate(reports) if found}
         steps = {rank: step for rank, (_, step, _) in enumerate(reports)}
         if not refused and len(set(steps.values())) > 1:
@@ -836,6 +840,16 @@ def averaged(model: nn.Module) -> set[int]:
     }
 
 
+def _reducer_params(model: nn.Module) -> int:
+    """How many parameters DDP's buckets hold: the count DDP logged when it was built (what was
+    trainable then: a parameter frozen since still arrives), else DDP's rule applied now."""
+    if isinstance(model, DistributedDataParallel):
+        count = model._get_ddp_logging_data().get("num_parameter_tensors")
+        if isinstance(count, int) and count > 0:
+            return count
+    return len(averaged(model))
+
+
 def _embedding_params(model: nn.Module) -> set[int]:
     """Positions in model.parameters() of embedding tables with dense gradients: the tensors whose
     rows a step may leave untouched, which the sparse schemes can send as rows."""
@@ -847,10 +861,14 @@ def _embedding_params(model: nn.Module) -> set[int]:
     return {index for index, p in enumerate(model.parameters()) if id(p) in tables}
 
 
-def collective_device(comm: Comm) -> torch.device:
-    """Where small collectives (checks, checkpoints) over `comm` run: the model's device."""
+def collective_device(comm: Comm, model_device: torch.device | None = None) -> torch.device:
+    """Where small collectives (checks, checkpoints) over `comm` run: the model's device. Under
+    NCCL, the model's GPU where known: a script that hands DDP device_ids=[local_rank] without
+    torch.cuda.set_device has every rank's current device at cuda:0."""
     # A TorchComm's group None is the default group, which may be NCCL too.
     if isinstance(comm, TorchComm) and dist.get_backend(comm.group) == "nccl":
+        if model_device is not None and model_device.type == "cuda":
+            return model_device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -440,7 +440,9 @@ class AutoState(SyncState):
         comm = self._comm()
         indices = [self._forward[k] for k in steps if k in self._forward]
         found = measure(self.timer, comm, self.config, self.names, indices, self._errors)
-        buckets = [self._ddp_layout[i] for i in sorted(self._ddp_layout)]
+        # DDP's buckets of the last step (at a step's start, before its first bucket is noted).
+        latest = max((seen for seen, _ in self._ddp_layout.values()), default=None)
+        buckets = [group for i, (seen, group) in sorted(self._ddp_layout.items()) if seen == latest]
         # Every rank plans from the same numbers; rank 0's list is taken so that no rounding
         # difference can make ranks probe, or adopt, different plans. Where rank 0's planning
         # fails, every rank raises its error: the others would otherwise wait in the gather.

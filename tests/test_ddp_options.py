@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
 from gradsync import SyncConfig, tuner
+from gradsync.plan import GroupPlan, Plan, signature
 from gradsync.tuner import AutoState
 
 STEPS = 6
@@ -318,3 +319,68 @@ def test_the_parameters_gradsync_takes_ddp_to_average_are_ddps_own(
     ddp = DistributedDataParallel(net)
     position = {id(p): i for i, p in enumerate(ddp.parameters())}
     assert averaged(ddp) == {position[id(p)] for p in ddp._build_params_for_reducer()[0]}
+
+
+def planned_steps(plan: Plan, steps: range, saved: dict | None = None) -> tuple[DistributedDataParallel, Any]:
+    ddp = DistributedDataParallel(TwoDtypes(), bucket_cap_mb=0.002)
+    config = SyncConfig(compressor="fp16", plan=plan, warmup_steps=2, min_compress_numel=0)
+    return steps_from(ddp, config, steps, saved)
+
+
+def test_a_plan_group_laid_out_as_one_of_ddps_initial_buckets_is_not_taken_as_synced_in_place(
+    one_rank: None,
+) -> None:
+    # DDP's first iteration buckets each dtype whole; at its first rebuilt step the hook has seen
+    # only the new bucket 0, and the initial buckets' other indices are stale: a group laid out as
+    # one of them must be cut out of the new buckets, not awaited in a bucket that is gone.
+    first = DistributedDataParallel(TwoDtypes(), bucket_cap_mb=0.002)
+    _, probe = steps_from(first, SyncConfig(warmup_steps=2, min_compress_numel=0), range(1))
+    initial = [params for _, params in sorted(probe._ddp_layout.values())]
+    assert len(initial) == 2  # one bucket per dtype
+    params = list(TwoDtypes().parameters())
+    plan = Plan(
+        signature(TwoDtypes()),
+        1,
+        tuple(GroupPlan(group, sum(params[p].numel() for p in group), "fp16") for group in initial),
+    )
+    continuous, _ = planned_steps(plan, range(6))
+    head, state = planned_steps(plan, range(3))
+    saved = {
+        "model": {k: v.clone() for k, v in head.module.state_dict().items()},
+        "gradsync": state.state_dict(),
+    }
+    resumed, state = planned_steps(plan, range(3, 6), saved)
+    assert state.step == 6
+    for a, b in zip(resumed.parameters(), continuous.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_static_graphs_first_iteration_counts_parameters_frozen_after_ddp_was_built(one_rank: None) -> None:
+    # DDP's buckets hold what was trainable when it was built: a step of its first iteration, whose
+    # buckets name none as the last, ends once those have all arrived, the frozen one included.
+    def frozen_steps(steps: range, saved: dict | None = None) -> tuple[DistributedDataParallel, Any]:
+        ddp = DistributedDataParallel(TwoDtypes(), bucket_cap_mb=0.002, static_graph=True)
+        ddp.module.first.bias.requires_grad_(False)
+        config = SyncConfig(compressor="fp16", warmup_steps=2, min_compress_numel=0)
+        return steps_from(ddp, config, steps, saved)
+
+    continuous, state = frozen_steps(range(6))
+    assert state._averaged == 6
+    head, state = frozen_steps(range(3))
+    model = {k: v.clone() for k, v in head.module.state_dict().items()}
+    resumed, state = frozen_steps(range(3, 6), {"model": model, "gradsync": state.state_dict()})
+    assert state.step == 6
+    for a, b in zip(resumed.parameters(), continuous.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_under_nccl_checkpoint_collectives_run_on_the_models_gpu(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not cuda:current_device(): a script handing DDP device_ids=[local_rank] without
+    # torch.cuda.set_device has every rank's current device at cuda:0, where NCCL fails.
+    from gradsync import sync
+    from gradsync.comm import TorchComm
+
+    monkeypatch.setattr(sync.dist, "get_backend", lambda group=None: "nccl")
+    assert sync.collective_device(TorchComm(None), torch.device("cuda", 3)) == torch.device("cuda", 3)

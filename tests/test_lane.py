@@ -94,10 +94,22 @@ def test_stop_issues_what_is_queued_and_ends_the_thread() -> None:
     lane.stop()
     assert issued == ["slow"] and future.done()
     assert not thread.is_alive()
-    # A stopped lane still runs what it is asked afterwards, on a thread that ends by itself.
+    # A stopped lane still runs what it is asked afterwards, on a thread that idles as before
+    # (SyncState.close() stops it, and a closed state may go on training)...
     late = lane.run(slow, blocking=True)
     late.wait()
     assert issued == ["slow", "slow"]
+    idle = lane._thread
+    lane.drain()
+    assert idle is not None and idle.is_alive()
+    # ... but after a stop for good (at interpreter exit), on one that ends once its queue is empty.
+    lane.stop(for_good=True)
+    assert not idle.is_alive()
+    lane.run(slow, blocking=True).wait()
+    deadline = time.monotonic() + 5
+    while lane._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lane._thread is None
 
 
 def test_no_lane_thread_is_left_when_the_interpreter_exits() -> None:

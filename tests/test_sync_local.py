@@ -558,3 +558,15 @@ def test_ranks_found_configured_differently_are_checked_again_on_the_next_call(
             state.sync(torch.ones(NUMEL), 0, True)
     assert len(calls) == 2
     assert state.step == 0  # no step was counted, nothing exchanged
+
+
+def test_close_ends_the_lane_thread_and_a_later_exchange_still_runs() -> None:
+    # PowerSGD waits for its P before it issues Q, so it runs on the lane's thread.
+    state = new_state(compressor="powersgd", compressor_args={"rank": 1}, error_feedback="ef", warmup_steps=0)
+    g = torch.randn(64 * 48, generator=torch.Generator().manual_seed(0))
+    sync(state, g)
+    thread = state.lane._thread
+    assert thread is not None and thread.is_alive()  # it idles a minute after its last program
+    state.close()
+    assert not thread.is_alive()
+    assert torch.isfinite(sync(state, g)).all()  # a closed state still exchanges, on a new thread
