@@ -17,7 +17,7 @@ mixed into the local one as alpha * local + (1 - alpha) * global.
 The global parameters are bit-identical on every rank after every sync: every rank decodes the
 same average and applies the same outer step.
 
-(About 460 lines: the outer loop, its fragments' schedule, its checkpoint and the checks that
+(About 480 lines: the outer loop, its fragments' schedule, its checkpoint and the checks that
 every rank runs alike are one object's state; the pure pieces, cut() and check_options(), are
 functions here because nothing else uses them.)
 """
@@ -25,6 +25,7 @@ functions here because nothing else uses them.)
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 import json
 import logging
@@ -38,6 +39,7 @@ from torch import nn
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from . import checkpoint
 from .comm import Comm, LocalComm, TorchComm, allgather_object
 from .compress import PAST_WARMUP
 from .compress.base import check_int, check_real
@@ -114,8 +116,10 @@ class DiLoCo:
         process_group: the ranks to average over (default: the world; a world of one without one).
 
     Every rank must call inner_optimizer.step() equally often: a step one rank skips (a GradScaler
-    finding inf there alone) would shift its syncs against the others'. Buffers (BatchNorm's
-    statistics) are broadcast from the first rank at the start and stay each rank's own after.
+    finding inf there alone) would shift its syncs against the others'. Parameters and buffers
+    (BatchNorm's statistics) are broadcast from the first rank at the start and stay each rank's
+    own after: to resume, build DiLoCo first, then load the model, the inner optimizer and
+    load_state_dict().
     """
 
     def __init__(
@@ -142,22 +146,28 @@ class DiLoCo:
                 "average the gradients every step; pass model.module"
             )
         params = [p for p in model.parameters() if p.requires_grad]
-        self._check_optimizer(inner_optimizer, params)
-        self.options = check_options(sync_every, outer_lr, outer_momentum, fragments, delay, alpha)
         sizes = [p.numel() for p in params]
-        check_int("fragments", fragments, 1, sum(sizes), why="at most one per element of the model")
-        self.sync_every, self.delay, self.alpha = sync_every, delay, float(alpha)
-        # warmup_steps=0: unlike DDP's buckets, a fragment's layout is fixed from the first sync.
-        config = SyncConfig(
-            compressor=compressor,
-            compressor_args=compressor_args or {},
-            error_feedback=error_feedback,
-            error_feedback_args=error_feedback_args or {},
-            warmup_steps=0,
-            seed=seed,
-        )
         comm: Comm = TorchComm(process_group) if dist.is_initialized() else LocalComm()
-        self._check_ranks_agree(comm, config)
+        # Every check runs before the ranks compare notes, and what one rank finds fails them all:
+        # a rank that raised alone would leave the others waiting in the comparison's collective.
+        try:
+            self._check_optimizer(inner_optimizer, model)
+            self.options = check_options(sync_every, outer_lr, outer_momentum, fragments, delay, alpha)
+            check_int("fragments", fragments, 1, sum(sizes), why="at most one per element of the model")
+            # warmup_steps=0: unlike DDP's buckets, a fragment's layout is fixed from the first sync.
+            config = SyncConfig(
+                compressor=compressor,
+                compressor_args=compressor_args or {},
+                error_feedback=error_feedback,
+                error_feedback_args=error_feedback_args or {},
+                warmup_steps=0,
+                seed=seed,
+            )
+        except Exception as error:  # whatever one rank finds, every rank fails with
+            self._check_ranks_agree(comm, None, params, error)
+            raise
+        self._check_ranks_agree(comm, config, params)
+        self.sync_every, self.delay, self.alpha = sync_every, delay, float(alpha)
         self.sync_state = _OuterSyncState(config, comm, model)
         self._params = params
         self._broadcast_from_first(model, comm, process_group)
@@ -232,14 +242,16 @@ class DiLoCo:
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
             problems = [f"not a gradsync DiLoCo state ({type(error).__name__}: {error}): pass state_dict()'s"]
         comm = self.sync_state._comm()
-        step = state.get("step") if not problems else None
-        reports = allgather_object(comm, (problems, step), collective_device(comm))
+        # The global parameters have the same bits on every rank of one run: a digest that differs
+        # tells files of two runs saved at the same step apart.
+        shared = (state["step"], _bits_digest(state["global"])) if not problems else None
+        reports = allgather_object(comm, (problems, shared), collective_device(comm, self.sync_state._device))
         found = {rank: p for rank, (p, _) in enumerate(reports) if p}
-        steps = {step for _, step in reports}
-        if not found and len(steps) > 1:
-            found = {
-                -1: [f"the ranks' states are of different inner steps {sorted(steps)}: load one checkpoint"]
-            }
+        steps = sorted({step for _, (step, _) in reports}) if not found else []
+        if len(steps) > 1:
+            found = {-1: [f"the ranks' states are of different inner steps {steps}: load one checkpoint"]}
+        elif not found and len({digest for _, (_, digest) in reports}) > 1:
+            found = {-1: ["the ranks' states hold different global parameters: load one run's checkpoint"]}
         if found:
             lines = "\n".join(
                 f"  {'all ranks' if r < 0 else f'rank {r}'}: {'; '.join(p)}" for r, p in found.items()
@@ -317,23 +329,49 @@ class DiLoCo:
     # -- checks -----------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    def _check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"inner_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        mine = {id(p) for p in params}
+        # Frozen parameters may be in it (torch steps only those with a gradient); DiLoCo syncs
+        # the trainable ones.
+        mine = {id(p) for p in model.parameters()}
         stray = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in mine)
         if stray:
             raise ValueError(
-                f"inner_optimizer steps {stray} tensor(s) that are not trainable parameters of the model; "
+                f"inner_optimizer steps {stray} tensor(s) that are not parameters of the model; "
                 "DiLoCo syncs the model's parameters: build the optimizer on model.parameters()"
             )
 
-    def _check_ranks_agree(self, comm: Comm, config: SyncConfig) -> None:
-        """Fail on every rank, with one message, when ranks were configured differently."""
-        mine = json.dumps({**self.options, **json.loads(config.fingerprint())}, sort_keys=True)
-        fingerprints = allgather_object(comm, mine, collective_device(comm))
+    def _check_ranks_agree(
+        self,
+        comm: Comm,
+        config: SyncConfig | None,
+        params: list[nn.Parameter],
+        error: Exception | None = None,
+    ) -> None:
+        """Fail on every rank, with one message, when ranks were configured differently or one
+        found its options invalid (`error`: this rank's, which the caller raises after this)."""
+        if error is not None:
+            mine = json.dumps({"invalid": f"{type(error).__name__}: {error}"})
+        else:
+            assert config is not None
+            shapes = {
+                "tensors": len(params),
+                "shapes": checkpoint.digest([p.shape for p in params]),
+                "dtypes": sorted({str(p.dtype) for p in params}),
+            }
+            mine = json.dumps({**self.options, **json.loads(config.fingerprint()), **shapes}, sort_keys=True)
+        device = params[0].device if params else None
+        fingerprints = allgather_object(comm, mine, collective_device(comm, device))
+        if error is not None:
+            return  # this rank's own error says what to fix here
+        parsed = [json.loads(f) for f in fingerprints]
+        invalid = {r: f["invalid"] for r, f in enumerate(parsed) if "invalid" in f}
+        if invalid:
+            named = "; ".join(f"rank {r}: {message}" for r, message in invalid.items())
+            raise ValueError(f"gradsync: DiLoCo could not start: other ranks' options are invalid: {named}")
         if len(set(fingerprints)) > 1:
             raise ValueError(
                 "gradsync: the ranks were given different DiLoCo options, so they cannot sync:\n"
@@ -404,7 +442,9 @@ def check_options(
         "fragments", fragments, 1, sync_every, why="each fragment syncs at its own inner step of a round"
     )
     check_int("delay", delay, 0, sync_every - 1, why="a fragment's exchange ends before its next one starts")
-    check_real("alpha", alpha, 0.0, 1.0, "[]", "the local parameters' weight in the mix")
+    check_real(
+        "alpha", alpha, 0.0, 1.0, "[)", "the local weight in the mix; 1 would never mix the global ones in"
+    )
     check_real(
         "outer_lr", outer_lr, 0.0, float("inf"), "()", "DiLoCo uses 0.7; 1 with momentum 0 is Local SGD"
     )
@@ -437,6 +477,17 @@ def cut(sizes: Sequence[int], fragments: int, sync_every: int) -> list[Fragment]
 def _split(flat: torch.Tensor, fragment: Fragment) -> tuple[torch.Tensor, ...]:
     """A fragment's flat tensor as its pieces, views."""
     return flat.split([end - start for _, start, end in fragment.pieces])
+
+
+def _bits_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A hash of the tensors' bits: equal only where every bit is (a sum's would depend on the
+    order it adds in, which threads and devices change). Hashed a slice at a time, on the CPU."""
+    hashed = hashlib.sha256()
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        for part in flat.split(1 << 22):
+            hashed.update(part.cpu().contiguous().view(torch.uint8).numpy())
+    return hashed.hexdigest()
 
 
 def _global_dtype(params: Sequence[torch.Tensor], fragment: Fragment | None) -> torch.dtype:

@@ -327,7 +327,8 @@ def test_with_alpha_and_a_memory_nothing_held_back_is_lost_or_sent_twice() -> No
         ({"sync_every": 4, "fragments": 5}, ["fragments=5", "[1, 4]"]),
         ({"sync_every": 4, "fragments": 0}, ["fragments=0"]),
         ({"sync_every": 4, "delay": 4}, ["delay=4", "[0, 3]"]),
-        ({"alpha": 1.5}, ["alpha=1.5", "[0, 1]"]),
+        ({"alpha": 1.5}, ["alpha=1.5", "[0, 1)"]),
+        ({"alpha": 1.0}, ["alpha=1.0", "[0, 1)", "never mix"]),
         ({"outer_lr": 0.0}, ["outer_lr=0.0", "Local SGD"]),
         ({"outer_momentum": 1.0}, ["outer_momentum=1.0", "[0, 1)"]),
         ({"compressor": "nope"}, ["nope"]),
@@ -349,6 +350,17 @@ def test_a_ddp_model_or_a_foreign_optimizer_is_refused_with_the_fix() -> None:
         gradsync.DiLoCo(net, torch.optim.SGD(model(1).parameters(), lr=0.1))
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         gradsync.DiLoCo(net, "sgd")  # type: ignore[arg-type]
+
+
+def test_frozen_parameters_in_the_optimizer_are_accepted_and_left_alone() -> None:
+    net = model()
+    net[0].weight.requires_grad_(False)
+    frozen = net[0].weight.detach().clone()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # frozen ones too: torch skips them
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2)
+    train(net, optimizer, range(4))
+    assert outer.stats()["inner_steps"] == 4
+    assert torch.equal(net[0].weight, frozen)
 
 
 def test_a_state_of_other_options_is_refused_and_nothing_is_loaded() -> None:

@@ -5,7 +5,9 @@
   the same global and local parameters, bit for bit, sending a fraction of the uncompressed bytes,
   which are H times fewer than DDP's;
 - a non-finite outer gradient on one rank skips that sync on every rank;
-- ranks given different options all fail at construction with one message;
+- ranks given different options or models all fail at construction with one message, and
+  options one rank finds invalid fail every rank;
+- files of two runs at the same step are refused on every rank;
 - a rank killed before a sync makes every other raise within the timeout, no outer step taken.
 """
 
@@ -104,6 +106,41 @@ def _worker(rank: int, world: int) -> dict:
     except ValueError as error:
         out["mismatch"] = str(error)
         out["hooks_left"] = len(optimizer._optimizer_step_post_hooks)
+
+    # Options only the last rank finds invalid (5 fragments in rounds of 4 steps): every rank
+    # fails, where the others used to wait for it in the comparison's collective.
+    net = make_mlp(0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    try:
+        gradsync.DiLoCo(net, optimizer, sync_every=4 if rank == world - 1 else 5, fragments=5)
+        out["invalid"] = None
+    except ValueError as error:
+        out["invalid"] = str(error)
+
+    # Another model on the last rank: it would issue another number of broadcasts.
+    net = _wide(0) if rank == world - 1 else make_mlp(0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    try:
+        gradsync.DiLoCo(net, optimizer, sync_every=2)
+        out["other_model"] = None
+    except ValueError as error:
+        out["other_model"] = str(error)
+
+    # Rank 0 given a file of another run at the same step: its global parameters differ.
+    net = make_mlp(0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2)
+    for step in range(2):
+        _step(net, optimizer, rank, step)
+    saved = outer.state_dict()
+    if rank == 0:
+        saved["global"][0][0] += 1.0
+    try:
+        outer.load_state_dict(saved)
+        out["two_runs"] = None
+    except ValueError as error:
+        out["two_runs"] = str(error)
+    outer.close()
     return out
 
 
@@ -133,6 +170,13 @@ def test_diloco_over_three_ranks() -> None:
     messages = [r["mismatch"] for r in results]
     assert all(m is not None and "different DiLoCo options" in m and "sync_every=5" in m for m in messages)
     assert len(set(messages)) == 1 and all(r["hooks_left"] == 0 for r in results)
+
+    last = WORLD - 1
+    assert "fragments=5" in results[last]["invalid"]  # its own error
+    for r in results[:last]:
+        assert f"other ranks' options are invalid: rank {last}: ValueError: fragments=5" in r["invalid"]
+    assert all(r["other_model"] is not None and "shapes=" in r["other_model"] for r in results)
+    assert all(r["two_runs"] is not None and "different global parameters" in r["two_runs"] for r in results)
 
 
 PG_TIMEOUT_S = 2.0
