@@ -307,3 +307,36 @@ def test_sparse_embeddings_make_deepfm_faster_than_a_dense_allreduce():
     assert sparse.step_s < dense.step_s
     assert {s.label for s in sparse.spans if s.lane == "network"} >= {"allreduce"}
     assert any(s.label.startswith("sparse ") for s in sparse.spans)
+
+
+def test_an_all_to_all_across_nodes_pays_for_every_rank_of_a_node_sharing_its_nic():
+    # 8 nodes of 8: each rank sends 56/64 of its bytes off its node, all 8 at once through one NIC.
+    from gradsync.sim.phases import _collective
+
+    where = clusters.cluster(8, 8, "v100", "25gbit")
+    nbytes, n, g = 10e6, 64, 8
+    nic_bound = g * (n - g) / n * nbytes / where.inter.bytes_per_s
+    seconds = _collective(where, "all_to_all", nbytes, n)
+    assert seconds == pytest.approx((n - 1) * where.inter.alpha_s + nic_bound)
+    # One rank per node: each rank has its NIC to itself, as the uniform formula has it.
+    alone = clusters.cluster(8, 1, "v100", "25gbit")
+    assert _collective(alone, "all_to_all", nbytes, 8) == pytest.approx(
+        cost.all_to_all_uniform_s(nbytes, 8, alone.inter)
+    )
+
+
+def test_powersgd_pays_the_latency_of_each_of_its_two_allreduces():
+    from gradsync.sim.phases import phases
+    from gradsync.strategy import parse
+
+    strategy = parse("powersgd:rank=4")
+    numel, where = 1_000_000, flat(8)
+    net = [p for p in phases(strategy, numel, where) if p.resource == "net"]
+    payload = strategy.payload_bytes(numel)
+    assert [p.label for p in net] == ["allreduce", "allreduce"]
+    # Each round pays its messages' latency: one allreduce of P and Q together would pay it once
+    # (here the tree's, 2 log2(8) = 6 messages, wins over the ring's 14).
+    half = min(cost.ring_allreduce_s(payload / 2, 8, LINK), cost.tree_allreduce_s(payload / 2, 8, LINK))
+    whole = min(cost.ring_allreduce_s(payload, 8, LINK), cost.tree_allreduce_s(payload, 8, LINK))
+    assert sum(p.seconds for p in net) == pytest.approx(2 * half)
+    assert 2 * half - whole == pytest.approx(6 * LINK.alpha_s)

@@ -90,7 +90,9 @@ def phases(strategy: Strategy, numel: int, cluster: Cluster, sparse: Sequence[Gr
         decodes = n  # every worker's payload is decoded and added
     else:
         dtype = payload_dtype(strategy)
-        steps.append(_transfer(cluster, "allreduce", payload, n, dtype))
+        # A multi-round codec (PowerSGD: P, then Q from the summed P) pays each round's latency.
+        rounds = type(codec(strategy.codec, strategy.args)).rounds if strategy.compressed else 1
+        steps += [_transfer(cluster, "allreduce", payload / rounds, n, dtype) for _ in range(rounds)]
         decodes = 1  # the payloads were summed on the way
     if strategy.compressed:
         steps += _codec_phase(strategy, "decompress", numel, cluster, decodes)
@@ -138,6 +140,8 @@ def _sparse_network(cluster: Cluster) -> Network:
     """The alpha-beta network gradsync.sparse's cost model prices schemes on."""
     if cluster.collectives is None:
         link = cluster.inter if cluster.nodes > 1 else cluster.intra
+        # Every round at the full link, a ring's or not: the balanced scheme's all_to_all and
+        # recursive doubling's swaps share a node's NIC among its ranks, which is not modelled.
         return Network(link.alpha_s, link.bytes_per_s)
     # Measured: the ring allreduce's fit read back as per-message latency and link bandwidth.
     n, fit = cluster.world_size, cluster.collectives["allreduce"]
@@ -224,12 +228,22 @@ def _collective(cluster: Cluster, name: str, nbytes_per_rank: float, n: int, dty
     if name == "allgather":
         return cost.allgather_equal_s(nbytes_per_rank, n, link)
     if name == "all_to_all":
-        return cost.all_to_all_uniform_s(nbytes_per_rank, n, link)
+        return cost.all_to_all_uniform_s(nbytes_per_rank, n, _all_to_all_link(cluster, link))
     # NCCL picks ring or tree per size: the tree's log-depth latency wins for small tensors on
     # many workers, the ring's bandwidth for large ones.
     return min(
         cost.ring_allreduce_s(nbytes_per_rank, n, link), cost.tree_allreduce_s(nbytes_per_rank, n, link)
     )
+
+
+def _all_to_all_link(cluster: Cluster, link: cost.Link) -> cost.Link:
+    """`link` as an all_to_all sees it. Unlike a ring, where one rank of a node crosses its NIC at a
+    time, every rank of a node sends (n - g)/n of its bytes off the node at once: the NIC carries
+    g(n - g)/n of a rank's bytes, which the uniform formula's (n - 1)/n over this link prices."""
+    g, n = cluster.gpus_per_node, cluster.world_size
+    if cluster.nodes == 1 or g == 1:
+        return link
+    return cost.Link(link.alpha_s, link.bytes_per_s * (n - 1) / (g * (n - g)))
 
 
 def _codec_phase(strategy: Strategy, which: str, numel: int, cluster: Cluster, payloads: int) -> list[Phase]:
