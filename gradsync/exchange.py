@@ -519,6 +519,10 @@ def _two_shot(
     else:
         if ok and shard_error is not None:
             summed.add_(shard_error)
+        if ok and not type(codec).reveals_nonfinite:
+            # A sum past its dtype's range (fp16) that the payload would hide: natural compression
+            # clamps an inf to the largest power of two, and the memory would keep the inf.
+            ok = _all_finite((summed,))
         payload, ctx = codec.compress(summed)  # zeros where a rank was not finite: streams in step
     nbytes = [sum(layout_nbytes(layout)) for layout in layouts]
     frame = torch.empty(max(nbytes) + 1, dtype=torch.uint8, device=x.device)  # equal frames

@@ -145,3 +145,20 @@ def test_a_rank_sends_about_two_shards_worth_against_allgathers_n_minus_one(
         out = runs[rank][world]
         assert out["sent"] == pytest.approx(2 * (world - 1) / world * payload, rel=0.01)
         assert out["gathered_sent"] == pytest.approx((world - 1) * payload, rel=0.01)
+
+
+def _overflowing_sum(rank: int, world: int) -> dict:
+    # fp16 shards of 40000 decode to 2^15 (natural compression rounds to a power of two), and the
+    # owner's sum of two, 2^16, is past fp16's range; natural's payload would clamp it back.
+    comm = TorchComm()
+    x = torch.full((64,), 40000.0, dtype=torch.float16)
+    lo, hi = exchange.shard_bounds(64, world)[rank]
+    memory = torch.zeros(hi - lo, dtype=torch.float16)
+    result = exchange.start(compress.build("natural"), x, Route(comm), "two-shot", shard_error=memory).wait()
+    return {"finite": result.finite, "memory": memory}
+
+
+def test_an_owner_sum_past_its_dtypes_range_skips_the_step_everywhere_and_keeps_the_memory() -> None:
+    for out in run_ranks(_overflowing_sum, 2, timeout_s=60):
+        assert out["finite"] is False
+        assert torch.equal(out["memory"], torch.zeros_like(out["memory"]))
