@@ -10,8 +10,10 @@ import functools
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -58,6 +60,11 @@ def gradient(numel: int, seed: int) -> torch.Tensor:
     if numel >= 1000:
         x[300:428] *= 1e-38  # subnormal scales
         x[500:628] *= 1e30
+    if numel >= 1024:
+        # Blocks whose scale underflows to 0 (absmax below levels * 2^-150) beside zeros, which
+        # divide to NaN: a code of +levels on both paths.
+        x[768:1024] = 0.0
+        x[769] = 2.8e-45
     return x
 
 
@@ -397,3 +404,61 @@ def test_gradsync_native_0_turns_the_kernels_off(tmp_path):
     code = "import torch; from gradsync.compress import native; print(native.usable(torch.zeros(1)))"
     done = _python(code, GRADSYNC_CACHE=str(tmp_path), GRADSYNC_NATIVE="0")
     assert done.stdout.strip() == "False" and not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.parametrize("owner", ["mine, open to others", "another user's"])
+def test_a_library_in_a_temporary_directory_others_can_write_is_not_loaded(tmp_path, owner):
+    # Another user could put code there under the name this source hashes to.
+    from gradsync.compress import native
+
+    shared = tmp_path / "tmp" / f"gradsync-{os.getuid()}"
+    shared.mkdir(parents=True)
+    planted = shared / native._library_name()
+    planted.write_bytes(b"not a library")  # loading it would fail
+    shared.chmod(0o777)
+    if owner == "another user's":
+        if os.getuid() != 0:
+            pytest.skip("making a directory another user's needs root")
+        os.chown(shared, 12345, -1)
+    code = "import torch; from gradsync.compress import native; print(native.usable(torch.zeros(1)))"
+    cache = {"GRADSYNC_CACHE": "", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = _python(code, TMPDIR=str(tmp_path / "tmp"), **cache)
+    assert done.stdout.strip() == "True", done.stderr  # built afresh in the user's own cache
+    assert len(list((tmp_path / "cache" / "gradsync").glob("native-*.so"))) == 1
+    if owner == "another user's":
+        assert planted.exists()  # left alone, and never loaded
+    else:  # closed to others, and what they may have written there deleted
+        assert not planted.exists() and shared.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_runs_pieces_on_threads_of_its_own() -> None:
+    # The parent's pool has threads the child lacks: work queued for them would wait for ever.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        done: list[tuple[int, int]] = []
+
+        def slow(lo: int, hi: int) -> None:  # both at once: the pool starts two threads, idle after
+            time.sleep(0.1)
+            done.append((lo, hi))
+
+        native._in_pieces(1 << 21, 64, slow)
+        assert len(done) == 2 and len(native._pool._threads) >= 2  # more where an earlier test ran
+        pid = os.fork()
+        if pid == 0:  # the child: exits 0 once its pieces ran, 1 on an error
+            try:
+                native._in_pieces(1 << 21, 64, lambda lo, hi: None)
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        deadline = time.monotonic() + 30
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if status[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child still waited for its pieces after 30 s")
+        assert os.waitstatus_to_exitcode(status[1]) == 0
+    finally:
+        torch.set_num_threads(before)

@@ -57,8 +57,12 @@ class Int8(Compressor):
         # blocks below about 4e-37; all-zero blocks divide by 1, not 0.
         divisor = torch.where(absmax > 0, scales, torch.ones_like(scales))
         # Clamped: a block whose scale is subnormal divides to beyond the levels (as native.c's).
+        # NaN (a zero in a block whose scale underflowed to 0, or a non-finite block) becomes
+        # +levels, as there: a NaN's conversion to an integer is undefined.
         levels = self.levels()
-        codes = rows.div_(divisor.unsqueeze(1)).round_().clamp_(-levels, levels).view(-1)[: flat.numel()]
+        codes = rows.div_(divisor.unsqueeze(1)).round_()
+        codes = codes.nan_to_num_(nan=levels, posinf=levels, neginf=-levels).clamp_(-levels, levels)
+        codes = codes.view(-1)[: flat.numel()]
         return (self._pack(codes), scales), (x.shape, x.dtype)
 
     def compress_corrected(

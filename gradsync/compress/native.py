@@ -32,6 +32,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -69,6 +70,17 @@ _tried = False
 _enabled = os.environ.get("GRADSYNC_NATIVE", "1") != "0"
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
+
+
+def _after_fork_in_child() -> None:
+    # A forked child has none of the pool's threads (work queued for them would wait for ever)
+    # and may hold the lock as another thread of the parent held it: both start afresh.
+    global _pool, _pool_size, _lock
+    _pool, _pool_size, _lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -289,7 +301,7 @@ def _load() -> ctypes.CDLL | None:
         if not _tried:
             try:
                 _library = _bind(ctypes.CDLL(str(_build())))
-            except (OSError, subprocess.SubprocessError) as error:
+            except Exception as error:  # whatever fails (no home directory, no compiler): torch ops
                 log.warning("gradsync: CPU kernels unavailable, using torch ops (slower): %s", error)
             _tried = True
     return _library
@@ -304,11 +316,9 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 def _build() -> Path:
     """The compiled library, built now if this source and these flags were never built here."""
-    source = _SOURCE.read_bytes()
-    key = source + " ".join((*_FLAGS, platform.machine())).encode()
-    name = f"native-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    name = _library_name()
     for directory in _cache_dirs():
-        if (directory / name).exists():
+        if _trusted(directory) and (directory / name).exists():  # trusted first: it may delete
             return directory / name
     compiler = shlex.split(os.environ.get("CC") or "cc")
     if not compiler or shutil.which(compiler[0]) is None:
@@ -316,11 +326,42 @@ def _build() -> Path:
     errors = []
     for directory in _cache_dirs():
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _trusted(directory):
+                errors.append(f"{directory} is not this user's alone")
+                continue
             return _compile(compiler, directory / name)
-        except PermissionError as error:  # an unwritable cache: the next place
+        except OSError as error:  # unwritable, read-only or full: the next place
             errors.append(str(error))
     raise OSError(f"no cache directory gradsync can write: {'; '.join(errors)}")
+
+
+def _library_name() -> str:
+    """The library's file name: a hash of the source and how it is compiled, so an edit rebuilds."""
+    key = _SOURCE.read_bytes() + " ".join((*_FLAGS, platform.machine())).encode()
+    return f"native-{hashlib.sha256(key).hexdigest()[:16]}.so"
+
+
+def _trusted(directory: Path) -> bool:
+    """Whether a library in `directory` may be loaded. One under the shared temporary directory
+    must be a directory of this user's that no one else can write, or another user could have put
+    code there under the name this source hashes to: one of this user's that others could write
+    (made under a umask of 002 by an earlier gradsync) is closed to them and its libraries, which
+    anyone may have written, deleted."""
+    if directory.parent != Path(tempfile.gettempdir()):
+        return True  # the user's own cache, or where GRADSYNC_CACHE points
+    try:
+        status = directory.lstat()
+    except OSError:
+        return False
+    owner = getattr(os, "getuid", lambda: status.st_uid)()
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != owner:
+        return False
+    if status.st_mode & 0o022:
+        directory.chmod(0o700)
+        for library in directory.glob("native-*.so"):
+            library.unlink(missing_ok=True)
+    return True
 
 
 def _compile(compiler: list[str], target: Path) -> Path:
@@ -338,8 +379,13 @@ def _compile(compiler: list[str], target: Path) -> Path:
 
 def _cache_dirs() -> list[Path]:
     """Where the library is kept, in order of preference."""
+    user = getattr(os, "getuid", lambda: "user")()  # no uid on Windows
+    shared = Path(tempfile.gettempdir()) / f"gradsync-{user}"
     if os.environ.get("GRADSYNC_CACHE"):
-        first = Path(os.environ["GRADSYNC_CACHE"])
-    else:
-        first = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gradsync"
-    return [first, Path(tempfile.gettempdir()) / f"gradsync-{os.getuid()}"]
+        return [Path(os.environ["GRADSYNC_CACHE"]), shared]
+    if os.environ.get("XDG_CACHE_HOME"):
+        return [Path(os.environ["XDG_CACHE_HOME"]) / "gradsync", shared]
+    try:
+        return [Path.home() / ".cache" / "gradsync", shared]
+    except RuntimeError:  # no home directory (a uid without a passwd entry, HOME unset)
+        return [shared]
