@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -365,3 +366,29 @@ def test_a_benchmarks_provenance_names_the_cpu_and_its_speeds():
     assert made["cores"] == os.cpu_count() and made["matmul_gflops_1_thread"] > 0
     assert made["copy_gbytes_per_s_1_thread"] > 0
     assert "cpu_model" in made
+
+
+def test_transfers_are_timed_to_their_completion_not_to_the_end_of_the_compute_step_then_running() -> None:
+    import threading
+
+    from torch.futures import Future
+
+    from gradsync.profile.collectives import _transfers_while
+
+    class SlowLink:
+        """Every allreduce completes 50 ms after it is issued, on another thread."""
+
+        world_size = 2
+
+        def allreduce(self, x: torch.Tensor) -> Future:
+            future: Future = Future()
+            threading.Timer(0.05, lambda: future.set_result(x)).start()
+            return future
+
+    def compute(i: int) -> float:
+        time.sleep(0.3)  # one step outlasts every transfer
+        return 0.3
+
+    per_transfer, busy = _transfers_while(SlowLink(), "allreduce", [torch.ones(4)] * 2, 4, compute)
+    assert 2 * per_transfer < 0.2  # the transfers' 50 ms, not the compute step's 300
+    assert busy == 0.3  # the one step that began while they ran

@@ -173,10 +173,11 @@ def measure_contention(
             model.zero_grad(set_to_none=True)
             step(i).backward()
         model.zero_grad(set_to_none=True)
+        synchronize(device)  # the device's work, not its kernels' launch
         return time.perf_counter() - started
 
     compute(0)  # warm-up
-    slowest_rank(comm, [0.0])
+    slowest_rank(comm, [0.0], device)
     alone_compute = statistics.median(compute(i) for i in range(steps))
     found = {}
     for name in names:
@@ -187,12 +188,12 @@ def measure_contention(
         )
         numel = per_rank * comm.world_size if kind == "all_to_all" else per_rank
         inputs = [torch.ones(numel, dtype=dtype, device=device) for _ in range(transfers)]
-        slowest_rank(comm, [0.0])
+        slowest_rank(comm, [0.0], device)
         alone_transfer, _ = _transfers_while(comm, kind, inputs, per_rank, None)
-        slowest_rank(comm, [0.0])
+        slowest_rank(comm, [0.0], device)
         busy_transfer, busy_compute = _transfers_while(comm, kind, inputs, per_rank, compute)
         slowed = [busy_compute / alone_compute - 1, busy_transfer / alone_transfer - 1]
-        compute_slowdown, transfer_slowdown = slowest_rank(comm, [max(0.0, v) for v in slowed])
+        compute_slowdown, transfer_slowdown = slowest_rank(comm, [max(0.0, v) for v in slowed], device)
         found[name] = {"compute": compute_slowdown, "transfer": transfer_slowdown}
     return found
 
@@ -206,16 +207,24 @@ def _transfers_while(
 ) -> tuple[float, float]:
     """(seconds per transfer, median seconds per compute step): one collective per input, issued at
     once as DDP issues its buckets' (queued behind each other, no Python thread waiting on them),
-    and compute steps run here until all are done (none if `compute` is None)."""
+    and compute steps run here until all are done (none if `compute` is None).
+
+    The transfers end when the last completes, timed by a callback, not when this thread next
+    looks (after the compute step then running); the compute steps counted are those that began
+    while transfers ran."""
     started = time.perf_counter()
     futures = [issue(comm, kind, x, per_rank) for x in inputs]
-    steps: list[float] = []
+    # The time each completes; waiting for a chained future, unlike for the collective's own,
+    # returns only once its callback has run.
+    finished = [f.then(lambda _: time.perf_counter()) for f in futures]
+    steps: list[tuple[float, float]] = []  # (start, seconds)
     while compute is not None and not all(f.done() for f in futures):
-        steps.append(compute(len(steps)))
+        steps.append((time.perf_counter(), compute(len(steps))))
     for future in futures:
-        future.wait()
-    per_transfer = (time.perf_counter() - started) / len(inputs)
-    return per_transfer, statistics.median(steps) if steps else 0.0
+        future.wait()  # raises a collective's error
+    ended = max(f.wait() for f in finished)
+    busy = [seconds for start, seconds in steps if start < ended]
+    return (ended - started) / len(inputs), statistics.median(busy) if busy else 0.0
 
 
 # -- codec costs -----------------------------------------------------------------------------------
