@@ -65,6 +65,13 @@ def register(
             "DistributedDataParallel(model)"
         )
     check_int("warmup_steps", config.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
+    hooks = getattr(model, "_comm_hooks", None)  # DDP's record of register_comm_hook's calls
+    if hooks:
+        raise ValueError(
+            f"this DDP model has a comm hook already ({getattr(hooks[0][0], '__qualname__', hooks[0][0])}: "
+            "an earlier gradsync.register, or torch's or a framework's ddp_comm_hook), and DDP takes one; "
+            "register gradsync once per DDP model and keep the state it returns"
+        )
     comm = TorchComm(model.process_group)
     if config.plan == AUTO_PLAN:
         _refuse_sparse_gradients(model)

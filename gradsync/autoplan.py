@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import levels, planner, schedule
-from .config import NO_COMPRESSION, SyncConfig
+from .config import AUTO_CASTS, NO_COMPRESSION, SyncConfig
 from .plan import GroupPlan, Plan
 from .sim import cluster as clusters
 from .sim import engine
@@ -168,7 +168,7 @@ def make_all(
 def codec_specs(config: SyncConfig) -> list[str]:
     """The codecs the strategy space may use: the casts and every level of the config's compressor
     (gradsync.levels), the config's own among them."""
-    specs = ["fp16", "bf16"]
+    specs = list(AUTO_CASTS)
     if config.compressor not in (NO_COMPRESSION, *specs):
         specs += levels.specs(config.compressor, config.compressor_args)
     return specs

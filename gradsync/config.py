@@ -16,6 +16,7 @@ from .strategy import Strategy
 
 _SEED_BOUND = 2**63 - 1
 AUTO_PLAN = "auto"  # SyncConfig(plan="auto"): gradsync makes the plan itself (gradsync.tuner)
+AUTO_CASTS = ("fp16", "bf16")  # the codecs plan="auto" may choose whatever the compressor
 
 
 class PlanLike(Protocol):
@@ -84,6 +85,12 @@ class SyncConfig:
     plan: PlanLike | Mapping[str, Any] | str | os.PathLike | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        for name in ("compressor_args", "error_feedback_args"):
+            value = getattr(self, name)
+            if value is None:  # as DiLoCo takes it: no arguments
+                object.__setattr__(self, name, {})
+            elif not isinstance(value, Mapping):
+                raise TypeError(f"{name}={value!r} must be a mapping of argument names to values, e.g. {{}}")
         if "seed" in self.compressor_args:
             raise ValueError(
                 f"compressor_args sets seed={self.compressor_args['seed']!r}; set SyncConfig(seed=...) "
@@ -151,11 +158,15 @@ class SyncConfig:
         return hasattr(self.plan, "strategies")
 
     def _codecs(self) -> list[str]:
-        """The codecs compression may use: a read plan's (each once, in group order), else the
-        compressor (a plan still to be read or made is checked by register())."""
+        """The codecs compression may use: a read plan's (each once, in group order); plan="auto"'s
+        casts, which it may choose whatever the compressor, and the compressor; else the
+        compressor (a plan still to be read is checked by register())."""
         if self.planned:
             return list(dict.fromkeys(s.codec for s in self.plan.strategies if s.compressed))  # type: ignore[union-attr]
-        return [] if self.compressor == NO_COMPRESSION else [self.compressor]
+        own = [] if self.compressor == NO_COMPRESSION else [self.compressor]
+        if self.plan == AUTO_PLAN:
+            return list(dict.fromkeys([*AUTO_CASTS, *own]))
+        return own
 
     def _check_nothing_compressed(self) -> None:
         if self.error_feedback not in ("auto", "none") or self.error_feedback_args:
@@ -194,7 +205,8 @@ class SyncConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: mappings as dicts, a plan as its dict; SyncConfig(**to_dict()) is equal."""
+        """Plain data: mappings as dicts, a plan as its dict (a plan's path as a string);
+        SyncConfig(**to_dict()) has the same fingerprint."""
         out = {
             f.name: dict(value) if isinstance(value, Mapping) else value
             for f in fields(self)

@@ -168,6 +168,18 @@ class Plan:
         missing = sorted(expected - set(data))
         if missing:
             raise ValueError(f"the plan lacks field(s) {missing}")
+        if type(data["world_size"]) is not int:  # 2.9 or true would pass for 2 or 1
+            raise ValueError(f"the plan's world_size {data['world_size']!r} is not an integer")
+        try:
+            return cls._from_fields(data)
+        except (TypeError, AttributeError) as error:  # a field of another type ("groups": null)
+            raise ValueError(
+                f"a plan field is not of the type a plan writes ({type(error).__name__}: {error}); "
+                "make the plan afresh (`gradsync plan`, or SyncConfig(plan='auto'))"
+            ) from None
+
+    @classmethod
+    def _from_fields(cls, data: Mapping[str, Any]) -> Plan:
         groups = []
         for index, g in enumerate(data["groups"]):
             if not isinstance(g, Mapping) or not {"params", "numel", "strategy"} <= set(g):

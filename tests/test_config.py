@@ -109,6 +109,21 @@ def test_bad_error_feedback_arguments_are_refused() -> None:
         SyncConfig(error_feedback="ef", error_feedback_args={"eta": 0.1})
 
 
+def test_argument_mappings_may_be_none_and_must_otherwise_be_mappings() -> None:
+    assert SyncConfig(compressor_args=None, error_feedback_args=None) == SyncConfig()  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"compressor_args=\[\('ratio', 0.01\)\] must be a mapping"):
+        SyncConfig(compressor="topk", compressor_args=[("ratio", 0.01)])  # type: ignore[arg-type]
+
+
+def test_plan_auto_without_a_compressor_checks_error_feedback_for_the_casts_it_may_choose() -> None:
+    # Else the bad form would first be built in DDP's hook, mid-training.
+    with pytest.raises(KeyError, match="bogus"):
+        SyncConfig(compressor="none", plan="auto", error_feedback="bogus")
+    with pytest.raises(ValueError, match="eta=5"):
+        SyncConfig(compressor="none", plan="auto", error_feedback="econtrol", error_feedback_args={"eta": 5})
+    SyncConfig(compressor="none", plan="auto", error_feedback="ef")  # a form the casts take
+
+
 @pytest.mark.parametrize("compressor", ["topk", "randk", "qsgd", "powersgd"])
 def test_a_seed_inside_compressor_args_is_refused(compressor: str) -> None:
     with pytest.raises(ValueError, match=r"seed=5.*SyncConfig\(seed=\.\.\.\)"):

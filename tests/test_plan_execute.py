@@ -519,13 +519,14 @@ def test_exchange_refuses_to_allgather_codecs_without_a_decode_per_payload(name:
 
 
 def test_a_failed_register_leaves_no_hooks_behind(one_rank: None) -> None:
-    # DDP takes one comm hook per model: a second register() fails, and must take back the timers
-    # plan="auto" put on the model, or they would run on every step from then on.
+    # DDP takes one comm hook per model: a second register() fails, naming why, before it puts
+    # plan="auto"'s timers on the model, which would run on every step from then on.
     model = DistributedDataParallel(Net())
     gradsync.register(model, config())
     counts = (len(model._forward_pre_hooks), len(model._forward_hooks))
     grad_hooks = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="register_comm_hook"):
+    with pytest.raises(ValueError, match=r"has a comm hook already \(hook: an earlier gradsync.register"):
         gradsync.register(model, config(plan="auto"))
+    assert len(model._comm_hooks) == 1  # the first register's alone
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == counts
     assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == grad_hooks

@@ -298,6 +298,13 @@ def test_a_plan_file_round_trips_and_describes_every_group(tmp_path) -> None:
         plan.Plan.from_dict({k: v for k, v in data.items() if k != "groups"})
     with pytest.raises(ValueError, match="unknown codec 'zip'"):
         plan.Plan.from_dict({**data, "groups": [{**data["groups"][0], "strategy": "zip"}]})
+    # Fields of another type: named as such, not torn down by a bare TypeError or coerced.
+    for broken in ({"groups": None}, {"alternatives": []}, {"meta": 5}):
+        with pytest.raises(ValueError, match="not of the type a plan writes"):
+            plan.Plan.from_dict({**data, **broken})
+    for world_size in (2.9, True):
+        with pytest.raises(ValueError, match=f"world_size {world_size} is not an integer"):
+            plan.Plan.from_dict({**data, "world_size": world_size})
 
 
 def test_check_refuses_a_plan_for_another_model_or_one_that_does_not_cover_it() -> None:
