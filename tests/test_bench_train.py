@@ -387,6 +387,18 @@ def test_the_headline_says_how_much_sooner_each_run_reached_ddps_loss_or_that_it
     assert report.headline(train.summarize(raw[1:], {}, options)) == "No DDP run, so no time to DDP's loss."
 
 
+def test_a_run_that_starts_within_the_tolerance_of_ddps_end_reaches_it_only_after_training():
+    # DDP barely learned (its end is within 2% of the shared start): the step-0 evaluation does
+    # not count as reaching it, and the headline still reads.
+    options = train.BenchOptions(strategies=("ddp", "topk"), steps=20)
+    raw = [_raw("ddp", 1.0, [1.0, 1.01, 0.995]), _raw("topk", 0.25, [1.0, 0.99, 0.99], 0.05)]
+    document = train.summarize(raw, {}, options)
+    ddp, topk = document["runs"]
+    assert ddp["steps_to_target"] == 5 and topk["steps_to_target"] == 5
+    assert topk["time_to_target_speedup"] == pytest.approx(5.0 / 1.25)
+    assert "4.00x sooner" in report.headline(document)
+
+
 @pytest.mark.parametrize("argv", [["bench", "train"], ["bench", "sparse"], ["demo", "--loopback"]])
 def test_without_matplotlib_a_plotting_command_stops_before_measuring(argv, monkeypatch, capsys):
     import importlib.util

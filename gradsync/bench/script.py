@@ -205,7 +205,12 @@ def targets(document: dict[str, Any]) -> list[tuple[str, str, bool]]:
             "gradsync-powersgd: step <= torch's PowerSGD hook's", "gradsync-powersgd", "torch-powersgd", 1.0
         )
         fixed = [r for s, r in runs.items() if s != "gradsync-auto"]
-        if "gradsync-auto" in runs and fixed:
+        # Judged only where its rounds ran FIRST_STEPS steps: a shorter run's "first steps" are
+        # all of them, planning weighing more than the goal means.
+        long_enough = "gradsync-auto" in runs and all(
+            len(steps) >= FIRST_STEPS for steps in runs["gradsync-auto"]["step_s"]
+        )
+        if long_enough and fixed:
             best = min(fixed, key=lambda r: r["median_s"])
             value = runs["gradsync-auto"]["first_median_s"] / best["median_s"]
             found.append(

@@ -181,9 +181,9 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
 
     Step times and bytes (means; the step's median and p90 too) count steady steps only (from
     `options.steady_from`). The target is the reference run's (DDP's, else FSDP2's own) final
-    held-out loss times (1 + tolerance); a run reaches it at its first evaluation at or below it,
-    and its time-to-target is the training wall-clock time of that evaluation. Each run's final
-    loss is compared with the reference's over the same held-out predictions
+    held-out loss times (1 + tolerance); a run reaches it at its first evaluation after step 0 at
+    or below it, and its time-to-target is the training wall-clock time of that evaluation. Each
+    run's final loss is compared with the reference's over the same held-out predictions
     (`paired_difference`); the per-prediction losses are not kept in the document.
     """
     references = [r for r in raw if strategies.parse(r["strategy"]).is_reference]
@@ -197,7 +197,11 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any], options: BenchOpt
         compression = [c for c in r["compression_s"][options.steady_from :] if c is not None]
         compute = statistics.median(r["compute_s"])
         compression_s = statistics.median(compression) if compression else None
-        reached = next((e for e in r["evals"] if target is not None and e["loss"] <= target), None)
+        # After some training: a run whose start is within the tolerance of DDP's end (DDP barely
+        # learned) has not reached DDP's loss "in 0 s".
+        reached = next(
+            (e for e in r["evals"] if target is not None and e["step"] > 0 and e["loss"] <= target), None
+        )
         versus = (
             None if r is reference else paired_difference(r.get("final_prediction_losses"), reference_losses)
         )
