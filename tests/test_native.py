@@ -406,7 +406,7 @@ def test_gradsync_native_0_turns_the_kernels_off(tmp_path):
     assert done.stdout.strip() == "False" and not list(tmp_path.glob("*.so"))
 
 
-@pytest.mark.parametrize("owner", ["mine, open to others", "another user's"])
+@pytest.mark.parametrize("owner", ["mine, open to others", "another user's", "mine, in an unsticky tmp"])
 def test_a_library_in_a_temporary_directory_others_can_write_is_not_loaded(tmp_path, owner):
     # Another user could put code there under the name this source hashes to.
     from gradsync.compress import native
@@ -415,17 +415,19 @@ def test_a_library_in_a_temporary_directory_others_can_write_is_not_loaded(tmp_p
     shared.mkdir(parents=True)
     planted = shared / native._library_name()
     planted.write_bytes(b"not a library")  # loading it would fail
-    shared.chmod(0o777)
+    shared.chmod(0o777 if owner == "mine, open to others" else 0o700)
     if owner == "another user's":
         if os.getuid() != 0:
             pytest.skip("making a directory another user's needs root")
         os.chown(shared, 12345, -1)
+    if owner == "mine, in an unsticky tmp":  # anyone could rename my directory away and put theirs
+        (tmp_path / "tmp").chmod(0o777)
     code = "import torch; from gradsync.compress import native; print(native.usable(torch.zeros(1)))"
     cache = {"GRADSYNC_CACHE": "", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     done = _python(code, TMPDIR=str(tmp_path / "tmp"), **cache)
     assert done.stdout.strip() == "True", done.stderr  # built afresh in the user's own cache
     assert len(list((tmp_path / "cache" / "gradsync").glob("native-*.so"))) == 1
-    if owner == "another user's":
+    if owner != "mine, open to others":
         assert planted.exists()  # left alone, and never loaded
     else:  # closed to others, and what they may have written there deleted
         assert not planted.exists() and shared.stat().st_mode & 0o777 == 0o700

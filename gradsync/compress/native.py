@@ -343,19 +343,21 @@ def _library_name() -> str:
 
 
 def _trusted(directory: Path) -> bool:
-    """Whether a library in `directory` may be loaded. One under the shared temporary directory
-    must be a directory of this user's that no one else can write, or another user could have put
-    code there under the name this source hashes to: one of this user's that others could write
-    (made under a umask of 002 by an earlier gradsync) is closed to them and its libraries, which
-    anyone may have written, deleted."""
-    if directory.parent != Path(tempfile.gettempdir()):
+    """Whether a library in `directory` may be loaded. The shared one (_shared_dir) must be this
+    user's, closed to others, in a temporary directory whose sticky bit keeps others from renaming
+    it away, or another user could have put code there under the name this source hashes to. One
+    of this user's that others could write (made under a umask of 002 by an earlier gradsync) is
+    closed to them and its libraries, which anyone may have written, deleted."""
+    if directory != _shared_dir():
         return True  # the user's own cache, or where GRADSYNC_CACHE points
     try:
-        status = directory.lstat()
+        status, parent = directory.lstat(), directory.parent.stat()
     except OSError:
         return False
     owner = getattr(os, "getuid", lambda: status.st_uid)()
     if not stat.S_ISDIR(status.st_mode) or status.st_uid != owner:
+        return False
+    if parent.st_mode & stat.S_IWOTH and not parent.st_mode & stat.S_ISVTX:
         return False
     if status.st_mode & 0o022:
         directory.chmod(0o700)
@@ -377,10 +379,15 @@ def _compile(compiler: list[str], target: Path) -> Path:
     return target
 
 
+def _shared_dir() -> Path:
+    """The cache in the system's temporary directory, where the user's own cannot be written."""
+    user = getattr(os, "getuid", lambda: "user")()  # no uid on Windows
+    return Path(tempfile.gettempdir()) / f"gradsync-{user}"
+
+
 def _cache_dirs() -> list[Path]:
     """Where the library is kept, in order of preference."""
-    user = getattr(os, "getuid", lambda: "user")()  # no uid on Windows
-    shared = Path(tempfile.gettempdir()) / f"gradsync-{user}"
+    shared = _shared_dir()
     if os.environ.get("GRADSYNC_CACHE"):
         return [Path(os.environ["GRADSYNC_CACHE"]), shared]
     if os.environ.get("XDG_CACHE_HOME"):
