@@ -65,6 +65,12 @@ def register(
             "DistributedDataParallel(model)"
         )
     check_int("warmup_steps", config.warmup_steps, 2, why="DDP rebuilds its buckets after the first step")
+    if getattr(model, "mixed_precision", None) is not None:
+        raise ValueError(
+            "DistributedDataParallel(mixed_precision=...) averages gradients by a comm hook of its own, "
+            "and DDP takes one; drop mixed_precision (gradsync's fp16 or bf16 compressor sends half "
+            "precision), or leave gradsync out"
+        )
     hooks = getattr(model, "_comm_hooks", None)  # DDP's record of register_comm_hook's calls
     if hooks:
         raise ValueError(
@@ -88,7 +94,11 @@ def register(
     try:
         model.register_comm_hook(state, installed)
     except BaseException:
-        state.close()  # nothing of gradsync stays behind on a model it could not be installed on
+        # Nothing of gradsync stays behind on a model it could not be installed on: DDP records a
+        # hook before its reducer refuses it (one installed by _register_builtin_comm_hook).
+        if getattr(model, "_comm_hooks", None) and model._comm_hooks[-1][1] is state:
+            model._comm_hooks.pop()
+        state.close()
         raise
     log.info("gradsync registered on rank %d of %d: %s", comm.rank, comm.world_size, config)
     return state

@@ -189,9 +189,11 @@ class DiLoCo:
 
     def close(self) -> None:
         """Stop counting inner steps (remove the optimizer hook). Exchanges still in flight are
-        awaited and applied, so global_parameters() hold every sync that was started."""
+        awaited and applied, so global_parameters() hold every sync that was started; the
+        exchanges' thread ends."""
         self._handle.remove()
         self._apply_due(until=None)
+        self.sync_state.close()  # its lane's thread ends (a later sync starts one again)
 
     def global_parameters(self) -> list[torch.Tensor]:
         """A copy of the global parameters, the same on every rank, shaped as the model's trainable
@@ -251,7 +253,12 @@ class DiLoCo:
         if len(steps) > 1:
             found = {-1: [f"the ranks' states are of different inner steps {steps}: load one checkpoint"]}
         elif not found and len({digest for _, (_, digest) in reports}) > 1:
-            found = {-1: ["the ranks' states hold different global parameters: load one run's checkpoint"]}
+            found = {
+                -1: [
+                    "the ranks' states hold different global parameters (files of two runs, or ranks "
+                    "whose arithmetic differs): load one run's checkpoint"
+                ]
+            }
         if found:
             lines = "\n".join(
                 f"  {'all ranks' if r < 0 else f'rank {r}'}: {'; '.join(p)}" for r, p in found.items()

@@ -106,9 +106,8 @@ class Lane:
         if thread is not None:
             thread.join(timeout=max(timeout_s, 0.0))
         if not for_good:
-            with self._changed:
-                if self._thread is None:  # ended: the next one is an ordinary lane thread
-                    self._stopping = False
+            with self._changed:  # a thread started since, or still running, idles as before
+                self._stopping = False
 
     def _serve(self) -> None:
         while True:

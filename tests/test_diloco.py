@@ -279,6 +279,20 @@ def test_close_applies_an_exchange_still_in_flight() -> None:
         torch.testing.assert_close(got, want)  # Local SGD in a world of one: the local parameters
 
 
+def test_close_ends_the_thread_of_the_exchanges_that_wait_on_a_collective() -> None:
+    # PowerSGD waits for its P before it issues Q: its exchanges run on the lane's thread. (A
+    # model large enough to be compressed: 2 x 64 x 256 entries and more.)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 2048), nn.Tanh(), nn.Linear(2048, 4))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = gradsync.DiLoCo(net, optimizer, sync_every=2, compressor="powersgd", compressor_args={"rank": 1})
+    train(net, optimizer, range(2))
+    thread = outer.sync_state.lane._thread
+    assert thread is not None and thread.is_alive()  # it idles a minute after its last exchange
+    outer.close()
+    assert not thread.is_alive()
+
+
 def test_close_stops_counting_inner_steps() -> None:
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)

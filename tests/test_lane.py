@@ -101,6 +101,7 @@ def test_stop_issues_what_is_queued_and_ends_the_thread() -> None:
     assert issued == ["slow", "slow"]
     idle = lane._thread
     lane.drain()
+    time.sleep(0.2)  # a thread that ends once its queue is empty would have ended by now
     assert idle is not None and idle.is_alive()
     # ... but after a stop for good (at interpreter exit), on one that ends once its queue is empty.
     lane.stop(for_good=True)

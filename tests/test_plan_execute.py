@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -530,3 +531,25 @@ def test_a_failed_register_leaves_no_hooks_behind(one_rank: None) -> None:
     assert len(model._comm_hooks) == 1  # the first register's alone
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == counts
     assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == grad_hooks
+
+
+def test_a_register_the_reducer_refuses_takes_back_everything_it_installed(one_rank: None) -> None:
+    # A built-in hook is not in DDP's record of comm hooks: its reducer refuses gradsync's, after
+    # the record took it and plan="auto" put its timers on the model.
+    model = DistributedDataParallel(Net())
+    model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    counts = (len(model._forward_pre_hooks), len(model._forward_hooks))
+    grad_hooks = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="register_comm_hook"):
+        gradsync.register(model, config(plan="auto"))
+    assert model._comm_hooks == []
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == counts
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == grad_hooks
+
+
+def test_ddps_mixed_precision_is_refused_by_name(one_rank: None) -> None:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    model = DistributedDataParallel(Net(), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"mixed_precision=\.\.\.\) averages gradients by a comm hook"):
+        gradsync.register(model, config())
