@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-from . import compress, feedback, sparse
+from . import compress, feedback, registry, sparse
 from .compress.base import check_int
 from .strategy import NONE as NO_COMPRESSION
 from .strategy import Strategy
@@ -96,9 +96,16 @@ class SyncConfig:
                 f"compressor_args sets seed={self.compressor_args['seed']!r}; set SyncConfig(seed=...) "
                 "instead: gradsync derives each bucket's seed from it so that ranks agree"
             )
-        # Frozen copies, so that a config cannot change after it was validated.
-        object.__setattr__(self, "compressor_args", ReadOnlyDict(self.compressor_args))
-        object.__setattr__(self, "error_feedback_args", ReadOnlyDict(self.error_feedback_args))
+        # Frozen copies, so that a config cannot change after it was validated; a whole number
+        # given for a parameter whose default is a float is kept as that float, so that ranks
+        # given ratio=1 and ratio=1.0 have one fingerprint.
+        codec = compress.parameters(self.compressor) if self.compressor in compress.names() else {}
+        form = feedback.REGISTRY.get(self.error_feedback)
+        form_defaults = registry.parameters(form) if form is not None else {}
+        object.__setattr__(self, "compressor_args", ReadOnlyDict(_like(self.compressor_args, codec)))
+        object.__setattr__(
+            self, "error_feedback_args", ReadOnlyDict(_like(self.error_feedback_args, form_defaults))
+        )
         object.__setattr__(self, "plan", _plan_value(self.plan))
         if self.compressor == NO_COMPRESSION:
             if self.compressor_args:
@@ -221,6 +228,11 @@ class SyncConfig:
     def fingerprint(self) -> str:
         """Canonical text of the config: equal on two ranks exactly when their configs are."""
         return json.dumps(self.to_dict(), sort_keys=True, default=repr)
+
+
+def _like(args: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """`args`, each int given for a parameter whose default is a float made that float."""
+    return {k: float(v) if type(v) is int and type(defaults.get(k)) is float else v for k, v in args.items()}
 
 
 def build_codec(name: str, args: Mapping[str, Any], seed: int) -> compress.Compressor:

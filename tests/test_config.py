@@ -109,6 +109,18 @@ def test_bad_error_feedback_arguments_are_refused() -> None:
         SyncConfig(error_feedback="ef", error_feedback_args={"eta": 0.1})
 
 
+def test_a_whole_number_for_a_float_parameter_gives_the_floats_fingerprint() -> None:
+    # Ranks given ratio=1 and ratio=1.0 are configured alike, and must not refuse each other.
+    assert (
+        SyncConfig(compressor="topk", compressor_args={"ratio": 1}).fingerprint()
+        == SyncConfig(compressor="topk", compressor_args={"ratio": 1.0}).fingerprint()
+    )
+    alike = [SyncConfig(error_feedback="econtrol", error_feedback_args={"eta": e}) for e in (1, 1.0)]
+    assert alike[0].fingerprint() == alike[1].fingerprint()
+    assert SyncConfig(compressor="qsgd", compressor_args={"levels": 4}).compressor_args["levels"] == 4
+    assert type(SyncConfig(compressor="qsgd", compressor_args={"levels": 4}).compressor_args["levels"]) is int
+
+
 def test_argument_mappings_may_be_none_and_must_otherwise_be_mappings() -> None:
     assert SyncConfig(compressor_args=None, error_feedback_args=None) == SyncConfig()  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"compressor_args=\[\('ratio', 0.01\)\] must be a mapping"):
