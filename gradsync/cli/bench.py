@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from ..bench import kernels
@@ -128,17 +129,22 @@ def add_network_options(parser: argparse.ArgumentParser, testbed_group: Any) -> 
     parser.add_argument("--no-probe", action="store_true", help="skip the testbed's bandwidth probe")
 
 
+def given(args: argparse.Namespace, parser: argparse.ArgumentParser, dests: Sequence[str]) -> list[str]:
+    """The options (as --flags) among `dests` given a value other than their default: those to
+    name as having no effect where the way chosen does not read them."""
+    changed = [dest for dest in dests if getattr(args, dest) != parser.get_default(dest)]
+    return [f"--{dest.replace('_', '-')}" for dest in changed]
+
+
 def network_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[bool, str, str, bool]:
     """--testbed, --bandwidth, --latency and whether to probe; a warning for each testbed option
     given without --testbed (the ranks then run on loopback, which has no links to shape)."""
     if not args.testbed:
-        for dest in ("bandwidth", "latency", "no_probe"):
-            if getattr(args, dest) != parser.get_default(dest):
-                print(
-                    f"gradsync bench: warning: --{dest.replace('_', '-')} has no effect without "
-                    "--testbed: the ranks run on loopback",
-                    file=sys.stderr,
-                )
+        for flag in given(args, parser, ("bandwidth", "latency", "no_probe")):
+            print(
+                f"gradsync bench: warning: {flag} has no effect without --testbed: the ranks run on loopback",
+                file=sys.stderr,
+            )
     return args.testbed, args.bandwidth, args.latency, not args.no_probe
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import tuner
 from ..config import SyncConfig
-from .bench import add_network_options
+from .bench import add_network_options, given
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -97,20 +97,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # The options only one way of planning reads (argparse dests), and what each way uses instead.
-_SIMULATED_CLUSTER = ("nodes", "gpus_per_node", "device", "inter", "intra", "precision", "batch")
+# The options of a simulated cluster, which a profile or a measured run replaces.
+SIMULATED_CLUSTER = ("nodes", "gpus_per_node", "device", "inter", "intra", "precision", "batch")
 _MEASURED_RUN = ("world", "steps", "threads", "testbed", "bandwidth", "latency", "no_probe")
 
 
 def _unused_plan_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """A note for each option given a value that the chosen way of planning does not read."""
     if args.workload:
-        ignored, why = (*_SIMULATED_CLUSTER, "max_groups"), "--workload plans on the real ranks it trains"
+        ignored, why = (*SIMULATED_CLUSTER, "max_groups"), "--workload plans on the real ranks it trains"
     elif args.profile:
-        ignored, why = _SIMULATED_CLUSTER + _MEASURED_RUN, "--profile plans for the cluster it measured"
+        ignored, why = SIMULATED_CLUSTER + _MEASURED_RUN, "--profile plans for the cluster it measured"
     else:
         ignored, why = _MEASURED_RUN, "these options are for --workload, which trains on real ranks"
-    given = [dest for dest in ignored if getattr(args, dest) != parser.get_default(dest)]
-    return [f"--{dest.replace('_', '-')} has no effect: {why}" for dest in given]
+    return [f"{flag} has no effect: {why}" for flag in given(args, parser, ignored)]
 
 
 def _plan_simulated(args: argparse.Namespace, name: str, codec_args: dict[str, Any]) -> tuple[Any, list[str]]:

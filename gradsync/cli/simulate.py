@@ -7,6 +7,9 @@ import json
 import sys
 import time
 
+from .bench import given
+from .plan import SIMULATED_CLUSTER
+
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from ..sim import cluster, models
@@ -44,10 +47,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return sim
 
 
-# What --profile replaces by what it measured.
-_MODEL_AND_CLUSTER = ("model", "nodes", "gpus_per_node", "device", "inter", "intra", "precision", "batch")
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from ..sim import cluster, compute, engine, models, outer, report
@@ -57,13 +56,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.profile:
             from ..profile import Profile
 
-            for dest in _MODEL_AND_CLUSTER:
-                if getattr(args, dest) != parser.get_default(dest):
-                    print(
-                        f"gradsync simulate: warning: --{dest.replace('_', '-')} has no effect: "
-                        "--profile simulates the model and cluster it measured",
-                        file=sys.stderr,
-                    )
+            for flag in given(args, parser, ("model", *SIMULATED_CLUSTER)):
+                print(
+                    f"gradsync simulate: warning: {flag} has no effect: --profile simulates the model "
+                    "and cluster it measured",
+                    file=sys.stderr,
+                )
             profile = Profile.load(args.profile)
             work = profile.compute()
             where = profile.cluster()
