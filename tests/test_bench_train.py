@@ -371,6 +371,25 @@ def test_a_failed_run_ends_with_its_message_and_exit_code_1(monkeypatch, capsys)
     assert "gradsync: error: strategy 'ddp'" in err and "boom" in err
 
 
+def test_a_bench_asked_for_a_testbed_that_cannot_be_built_fails_and_the_demo_falls_back(monkeypatch, capsys):
+    # `make bench-runtime` writes --testbed results into docs/bench-runtime/1gbit: loopback numbers
+    # must never land there because the machine could not build the emulated network.
+    monkeypatch.setattr(train.testbed, "available", lambda: "the testbed needs root (euid is 1000)")
+    ran: list[str] = []
+
+    def start(network):
+        ran.append(network.description)
+        return {}
+
+    code = train.run_and_report(start, 4, True, "1gbit", "0.2ms", False, str, lambda d, o: [], "unused")
+    err = capsys.readouterr().err
+    assert code == 1 and ran == []
+    assert "needs root (euid is 1000)" in err and "leave out --testbed" in err
+    code = train.run_and_report(start, 4, True, "1gbit", "0.2ms", False, str, lambda d, o: [], "unused", True)
+    assert code == 0 and len(ran) == 1 and "loopback" in ran[0]
+    assert "running on loopback instead" in capsys.readouterr().err
+
+
 def test_the_headline_says_how_much_sooner_each_run_reached_ddps_loss_or_that_it_did_not():
     options = train.BenchOptions(strategies=("ddp", "topk", "signsgd"), steps=20)
     raw = [

@@ -465,12 +465,21 @@ def open_network(
     latency: str = "0.2ms",
     probe: bool = True,
     say: Callable[[str], None] = print,
+    fallback: bool = False,
 ) -> Network:
     """Where to run: a testbed (the one already up if it has enough hosts, else one built for this
-    run and removed when `stack` closes) or, when none can be built, loopback with a warning."""
+    run and removed when `stack` closes). Where none can be built, a TestbedError naming why, or
+    with `fallback` (the demo, which must run anywhere) loopback with a warning. A benchmark asked
+    for a testbed fails instead, so that loopback numbers never land where link-bound ones belong
+    (`make bench-runtime` writes each network's results to its own folder)."""
     if not use_testbed:
         return loopback()
     reason = testbed.available()
+    if reason is not None and not fallback:
+        raise testbed.TestbedError(
+            f"--testbed asked for an emulated network and none can be built here: {reason}; run as "
+            "root with iproute2, or leave out --testbed to run on loopback"
+        )
     if reason is not None:
         say(
             f"WARNING: no emulated network ({reason}); running on loopback instead, where the "
@@ -512,16 +521,18 @@ def run_and_report(
     table: Callable[[dict[str, Any]], str],
     write: Callable[[dict[str, Any], str], Sequence[Path]],
     out: str,
+    fallback: bool = False,
 ) -> int:
-    """Run a benchmark, `start(network)`, on `hosts` testbed hosts when asked and possible (else on
-    loopback); print its `table` and `write` its files to `out`. 0, or 1 with the error printed."""
+    """Run a benchmark, `start(network)`, on `hosts` testbed hosts when asked (on loopback where
+    none can be built only with `fallback`, see open_network); print its `table` and `write` its
+    files to `out`. 0, or 1 with the error printed."""
 
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
     try:
         with contextlib.ExitStack() as stack:
-            network = open_network(stack, use_testbed, hosts, bandwidth, latency, probe, say)
+            network = open_network(stack, use_testbed, hosts, bandwidth, latency, probe, say, fallback)
             document = start(network)
     except (ValueError, testbed.TestbedError, BenchError) as err:
         say(f"gradsync: error: {err}")  # the testbed, if one was built for the run, is gone already
