@@ -173,7 +173,8 @@ def measure_contention(
             model.zero_grad(set_to_none=True)
             step(i).backward()
         model.zero_grad(set_to_none=True)
-        synchronize(device)  # the device's work, not its kernels' launch
+        if device.type == "cuda":  # this stream's work, not its kernels' launch, nor NCCL's beside it
+            torch.cuda.current_stream(device).synchronize()
         return time.perf_counter() - started
 
     compute(0)  # warm-up
@@ -211,20 +212,44 @@ def _transfers_while(
 
     The transfers end when the last completes, timed by a callback, not when this thread next
     looks (after the compute step then running); the compute steps counted are those that began
-    while transfers ran."""
+    while transfers ran. On CUDA, NCCL completes a collective's future once its kernel is queued:
+    there the end is an event on a side stream made to wait for each transfer (the compute's own
+    stream is not), and every compute step counted began before the last such event completed."""
+    cuda = inputs[0].device.type == "cuda"
     started = time.perf_counter()
+    if cuda:
+        side = torch.cuda.Stream(inputs[0].device)
+        begun = torch.cuda.Event(enable_timing=True)
+        begun.record(side)
     futures = [issue(comm, kind, x, per_rank) for x in inputs]
-    # The time each completes; waiting for a chained future, unlike for the collective's own,
-    # returns only once its callback has run.
-    finished = [f.then(lambda _: time.perf_counter()) for f in futures]
+    if cuda:
+        ends = []
+        with torch.cuda.stream(side):
+            for future in futures:
+                future.wait()  # the side stream waits for the transfer; the host does not
+                ends.append(torch.cuda.Event(enable_timing=True))
+                ends[-1].record(side)
+        pending = lambda: not all(end.query() for end in ends)  # noqa: E731
+    else:
+        # The time each completes; waiting for a chained future, unlike for the collective's
+        # own, returns only once its callback has run.
+        finished = [f.then(lambda _: time.perf_counter()) for f in futures]
+        pending = lambda: not all(f.done() for f in futures)  # noqa: E731
     steps: list[tuple[float, float]] = []  # (start, seconds)
-    while compute is not None and not all(f.done() for f in futures):
+    while compute is not None and pending():
         steps.append((time.perf_counter(), compute(len(steps))))
     for future in futures:
         future.wait()  # raises a collective's error
-    ended = max(f.wait() for f in finished)
-    busy = [seconds for start, seconds in steps if start < ended]
-    return (ended - started) / len(inputs), statistics.median(busy) if busy else 0.0
+    if cuda:
+        for end in ends:
+            end.synchronize()
+        seconds = max(begun.elapsed_time(end) for end in ends) / 1e3
+        busy = [step_s for _, step_s in steps]
+    else:
+        ended = max(f.wait() for f in finished)
+        seconds = ended - started
+        busy = [step_s for start, step_s in steps if start < ended]
+    return seconds / len(inputs), statistics.median(busy) if busy else 0.0
 
 
 # -- codec costs -----------------------------------------------------------------------------------
