@@ -97,14 +97,14 @@ class SyncConfig:
                 "instead: gradsync derives each bucket's seed from it so that ranks agree"
             )
         # Frozen copies, so that a config cannot change after it was validated; a whole number
-        # given for a parameter whose default is a float is kept as that float, so that ranks
-        # given ratio=1 and ratio=1.0 have one fingerprint.
-        codec = compress.parameters(self.compressor) if self.compressor in compress.names() else {}
+        # given for a parameter annotated as a float is kept as that float, so that ranks given
+        # ratio=1 and ratio=1.0 (or DGC's clip_norm=1 and 1.0) have one fingerprint.
+        given = dict(self.compressor_args)  # as the user wrote them, for the errors below
+        codec = compress.lookup(self.compressor) if self.compressor in compress.names() else None
         form = feedback.REGISTRY.get(self.error_feedback)
-        form_defaults = registry.parameters(form) if form is not None else {}
-        object.__setattr__(self, "compressor_args", ReadOnlyDict(_like(self.compressor_args, codec)))
+        object.__setattr__(self, "compressor_args", ReadOnlyDict(_as_floats(given, codec)))
         object.__setattr__(
-            self, "error_feedback_args", ReadOnlyDict(_like(self.error_feedback_args, form_defaults))
+            self, "error_feedback_args", ReadOnlyDict(_as_floats(self.error_feedback_args, form))
         )
         object.__setattr__(self, "plan", _plan_value(self.plan))
         if self.compressor == NO_COMPRESSION:
@@ -115,7 +115,7 @@ class SyncConfig:
                 )
         else:
             # Built even where a plan decides the codecs: a misspelt compressor should not pass.
-            compress.build(self.compressor, **self.compressor_args)
+            compress.build(self.compressor, **given)
         if self.plan is None and self.compressor == NO_COMPRESSION:
             self._check_nothing_compressed()
         elif self.planned and not self._codecs() and self.error_feedback not in ("auto", "none"):
@@ -230,9 +230,10 @@ class SyncConfig:
         return json.dumps(self.to_dict(), sort_keys=True, default=repr)
 
 
-def _like(args: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """`args`, each int given for a parameter whose default is a float made that float."""
-    return {k: float(v) if type(v) is int and type(defaults.get(k)) is float else v for k, v in args.items()}
+def _as_floats(args: Mapping[str, Any], cls: type | None) -> dict[str, Any]:
+    """`args`, each int given for a parameter `cls` takes as a float made that float."""
+    floats = registry.float_parameters(cls) if cls is not None else set()
+    return {k: float(v) if type(v) is int and k in floats else v for k, v in args.items()}
 
 
 def build_codec(name: str, args: Mapping[str, Any], seed: int) -> compress.Compressor:

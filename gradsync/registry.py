@@ -27,6 +27,24 @@ def parameters(cls: type) -> dict[str, Any]:
     return {p.name: p.default for p in list(signature.parameters.values())[1:]}
 
 
+def float_parameters(cls: type) -> set[str]:
+    """Constructor parameters of `cls` annotated as floats (`float`, `float | None`): a whole
+    number given for one stands for that float (ratio=1 is ratio=1.0)."""
+    if cls.__init__ is object.__init__:
+        return set()
+    found = set()
+    for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        annotation = (
+            param.annotation
+            if isinstance(param.annotation, str)
+            else getattr(param.annotation, "__name__", "")
+        )
+        kinds = {part.strip() for part in annotation.split("|")}
+        if "float" in kinds and "int" not in kinds:
+            found.add(param.name)
+    return found
+
+
 def construct(table: Mapping[str, type[T]], kind: str, name: str, params: Mapping[str, Any]) -> T:
     """Build `name` from `params`; TypeError listing the valid parameters for an unknown one."""
     cls = lookup(table, kind, name)

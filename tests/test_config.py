@@ -119,6 +119,12 @@ def test_a_whole_number_for_a_float_parameter_gives_the_floats_fingerprint() -> 
     assert alike[0].fingerprint() == alike[1].fingerprint()
     assert SyncConfig(compressor="qsgd", compressor_args={"levels": 4}).compressor_args["levels"] == 4
     assert type(SyncConfig(compressor="qsgd", compressor_args={"levels": 4}).compressor_args["levels"]) is int
+    # The annotation decides, not the default: DGC's clip_norm defaults to None.
+    clipped = [SyncConfig(compressor="dgc", compressor_args={"clip_norm": c}) for c in (1, 1.0)]
+    assert clipped[0].fingerprint() == clipped[1].fingerprint()
+    # An error quotes the value as the user wrote it.
+    with pytest.raises(ValueError, match=r"ratio=2\b(?!\.)"):
+        SyncConfig(compressor="topk", compressor_args={"ratio": 2})
 
 
 def test_argument_mappings_may_be_none_and_must_otherwise_be_mappings() -> None:
