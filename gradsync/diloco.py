@@ -364,10 +364,12 @@ class DiLoCo:
             mine = json.dumps({"invalid": f"{type(error).__name__}: {error}"})
         else:
             assert config is not None
+            # Each tensor's shape and dtype, in order: a fragment's global tensor must be alike.
+            dtypes = ";".join(str(p.dtype) for p in params)
             shapes = {
                 "tensors": len(params),
                 "shapes": checkpoint.digest([p.shape for p in params]),
-                "dtypes": sorted({str(p.dtype) for p in params}),
+                "dtypes": hashlib.sha256(dtypes.encode()).hexdigest()[:16],
             }
             mine = json.dumps({**self.options, **json.loads(config.fingerprint()), **shapes}, sort_keys=True)
         device = params[0].device if params else None
@@ -456,9 +458,10 @@ def check_options(
         "outer_lr", outer_lr, 0.0, float("inf"), "()", "DiLoCo uses 0.7; 1 with momentum 0 is Local SGD"
     )
     check_real("outer_momentum", outer_momentum, 0.0, 1.0, "[)", "DiLoCo uses 0.9")
+    # The real-valued options as floats, so that ranks given outer_momentum=0 and 0.0 agree.
     return {
-        "sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-        "fragments": fragments, "delay": delay, "alpha": alpha,
+        "sync_every": sync_every, "outer_lr": float(outer_lr), "outer_momentum": float(outer_momentum),
+        "fragments": fragments, "delay": delay, "alpha": float(alpha),
     }  # fmt: skip
 
 

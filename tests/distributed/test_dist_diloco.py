@@ -126,6 +126,22 @@ def _worker(rank: int, world: int) -> dict:
     except ValueError as error:
         out["other_model"] = str(error)
 
+    # The same tensors and the same set of dtypes, but another tensor in fp64 on the last rank:
+    # a fragment's global tensor would be fp64 on one rank and fp32 on another.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    net[0 if rank == world - 1 else 1].double()
+    try:
+        gradsync.DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.05), sync_every=2, fragments=2)
+        out["dtypes"] = None
+    except ValueError as error:
+        out["dtypes"] = str(error)
+
+    # outer_momentum=0 on rank 0 and 0.0 elsewhere: the same option, and accepted.
+    net = make_mlp(0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    gradsync.DiLoCo(net, optimizer, sync_every=2, outer_momentum=0 if rank == 0 else 0.0).close()
+
     # Rank 0 given a file of another run at the same step: its global parameters differ.
     net = make_mlp(0)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
@@ -176,6 +192,7 @@ def test_diloco_over_three_ranks() -> None:
     for r in results[:last]:
         assert f"other ranks' options are invalid: rank {last}: ValueError: fragments=5" in r["invalid"]
     assert all(r["other_model"] is not None and "shapes=" in r["other_model"] for r in results)
+    assert all(r["dtypes"] is not None and "dtypes=" in r["dtypes"] for r in results)
     assert all(r["two_runs"] is not None and "different global parameters" in r["two_runs"] for r in results)
 
 
