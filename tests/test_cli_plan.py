@@ -70,3 +70,18 @@ def test_a_measured_plan_reports_its_predicted_and_measured_step(
     assert plan.world_size == 2 and plan.predicted_step_s and plan.measured_step_s
     err = capsys.readouterr().err
     assert "predicted step" in err and "measured" in err
+
+
+def test_shaping_options_given_to_a_measured_plan_without_a_testbed_are_named_as_having_no_effect() -> None:
+    # Without --testbed the ranks run on loopback: --bandwidth 100mbit would silently shape nothing.
+    import argparse
+
+    from gradsync.cli import plan as plan_cli
+
+    parser = plan_cli.add_parser(argparse.ArgumentParser().add_subparsers())
+    args = parser.parse_args(["--workload", "gpt-tiny", "--bandwidth", "100mbit", "--latency", "5ms"])
+    notes = plan_cli._unused_plan_options(args, parser)
+    assert "--bandwidth has no effect without --testbed: the ranks run on loopback" in notes
+    assert "--latency has no effect without --testbed: the ranks run on loopback" in notes
+    args = parser.parse_args(["--workload", "gpt-tiny", "--testbed", "--bandwidth", "100mbit"])
+    assert plan_cli._unused_plan_options(args, parser) == []

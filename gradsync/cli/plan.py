@@ -104,13 +104,17 @@ _MEASURED_RUN = ("world", "steps", "threads", "testbed", "bandwidth", "latency",
 
 def _unused_plan_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """A note for each option given a value that the chosen way of planning does not read."""
+    notes = []
     if args.workload:
         ignored, why = (*SIMULATED_CLUSTER, "max_groups"), "--workload plans on the real ranks it trains"
+        if not args.testbed:
+            shaping = given(args, parser, ("bandwidth", "latency", "no_probe"))
+            notes = [f"{flag} has no effect without --testbed: the ranks run on loopback" for flag in shaping]
     elif args.profile:
         ignored, why = SIMULATED_CLUSTER + _MEASURED_RUN, "--profile plans for the cluster it measured"
     else:
         ignored, why = _MEASURED_RUN, "these options are for --workload, which trains on real ranks"
-    return [f"{flag} has no effect: {why}" for flag in given(args, parser, ignored)]
+    return [f"{flag} has no effect: {why}" for flag in given(args, parser, ignored)] + notes
 
 
 def _plan_simulated(args: argparse.Namespace, name: str, codec_args: dict[str, Any]) -> tuple[Any, list[str]]:
