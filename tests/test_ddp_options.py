@@ -384,3 +384,24 @@ def test_under_nccl_checkpoint_collectives_run_on_the_models_gpu(
 
     monkeypatch.setattr(sync.dist, "get_backend", lambda group=None: "nccl")
     assert sync.collective_device(TorchComm(None), torch.device("cuda", 3)) == torch.device("cuda", 3)
+    # ... and every checkpoint collective of a SyncState asks for it: each call site records the
+    # device it passes (the collectives themselves then run on this machine's CPU).
+    state = gradsync.register(DistributedDataParallel(nn.Linear(4, 4)), SyncConfig(compressor="fp16"))
+    state._device = torch.device("cuda", 3)
+    devices: list[torch.device] = []
+
+    def recorded(real: Callable[..., Any]) -> Callable[..., Any]:
+        def collective(*args: Any) -> Any:
+            devices.append(args[-1])
+            return real(*args[:-1], torch.device("cpu"))
+
+        return collective
+
+    monkeypatch.setattr(sync, "allgather_object", recorded(sync.allgather_object))
+    monkeypatch.setattr(sync, "gather_object", recorded(sync.gather_object))
+    state.full_state_dict()
+    state.full_state_dict(to=0)
+    monkeypatch.setattr(sync.checkpoint, "own_part", lambda *args: (None, ["not this rank's"]))
+    with pytest.raises(ValueError, match="not this rank's"):
+        state.load_state_dict({})
+    assert devices == [torch.device("cuda", 3)] * 3
