@@ -71,13 +71,9 @@ def register(
             "and DDP takes one; drop mixed_precision (gradsync's fp16 or bf16 compressor sends half "
             "precision), or leave gradsync out"
         )
-    hooks = getattr(model, "_comm_hooks", None)  # DDP's record of register_comm_hook's calls
-    if hooks:
-        raise ValueError(
-            f"this DDP model has a comm hook already ({getattr(hooks[0][0], '__qualname__', hooks[0][0])}: "
-            "an earlier gradsync.register, or torch's or a framework's ddp_comm_hook), and DDP takes one; "
-            "register gradsync once per DDP model and keep the state it returns"
-        )
+    # DDP's record of register_comm_hook's calls. Its reducer, not the record, says whether a hook
+    # is installed: a deepcopied or unpickled DDP keeps the record but builds a fresh reducer.
+    earlier = list(getattr(model, "_comm_hooks", None) or [])
     comm = TorchComm(model.process_group)
     if config.plan == AUTO_PLAN:
         _refuse_sparse_gradients(model)
@@ -93,13 +89,22 @@ def register(
         installed = hook
     try:
         model.register_comm_hook(state, installed)
-    except BaseException:
+    except BaseException as error:
         # Nothing of gradsync stays behind on a model it could not be installed on: DDP records a
-        # hook before its reducer refuses it (one installed by _register_builtin_comm_hook).
+        # hook before its reducer refuses it.
         if getattr(model, "_comm_hooks", None) and model._comm_hooks[-1][1] is state:
             model._comm_hooks.pop()
         state.close()
+        if isinstance(error, RuntimeError) and "can only be called once" in str(error):
+            named = getattr(earlier[0][0], "__qualname__", earlier[0][0]) if earlier else "a built-in one"
+            raise ValueError(
+                f"this DDP model has a comm hook already ({named}: an earlier gradsync.register, or "
+                "torch's or a framework's ddp_comm_hook), and DDP takes one; register gradsync once "
+                "per DDP model and keep the state it returns"
+            ) from error
         raise
+    if earlier:  # the reducer took the hook: the record's earlier entries were of another reducer
+        model._comm_hooks[:] = model._comm_hooks[len(earlier) :]
     log.info("gradsync registered on rank %d of %d: %s", comm.rank, comm.world_size, config)
     return state
 

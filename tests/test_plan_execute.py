@@ -540,11 +540,24 @@ def test_a_register_the_reducer_refuses_takes_back_everything_it_installed(one_r
     model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     counts = (len(model._forward_pre_hooks), len(model._forward_hooks))
     grad_hooks = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="register_comm_hook"):
+    with pytest.raises(ValueError, match=r"has a comm hook already \(a built-in one"):
         gradsync.register(model, config(plan="auto"))
     assert model._comm_hooks == []
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == counts
     assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == grad_hooks
+
+
+def test_a_deepcopied_ddp_model_takes_gradsync_and_averages_with_it(one_rank: None) -> None:
+    # A copy keeps DDP's record of the original's hook, but builds a fresh reducer with none:
+    # register() on it must not be refused, and only its own hook stays in the record.
+    original = DistributedDataParallel(Net())
+    gradsync.register(original, config())
+    copied = copy.deepcopy(original)
+    state = gradsync.register(copied, config())
+    assert [s for _, s in copied._comm_hooks] == [state]
+    words, _ = batch(0)
+    copied(words).sum().backward()
+    assert state.step == 1
 
 
 def test_ddps_mixed_precision_is_refused_by_name(one_rank: None) -> None:
