@@ -3,10 +3,12 @@
 A rank's own state holds its rank, the world size, the step, the config, the model's parameter
 shapes (hashed), its error memories and codec state. Its shape changes as training goes (points
 appear after warm-up), and its tensors differ from rank to rank, so a state_dict() is that state
-packed as one opaque entry under the rank's own key: {"format": 3, "rank 1": bytes}. Its shape is
+packed as one opaque entry under the rank's own key: {"format": 4, "rank 1": bytes}. Its shape is
 then fixed from registration on, which torch.distributed.checkpoint needs (it loads into the keys
 of a fresh state, and it deduplicates equal keys across ranks as if they were replicated), and
-every rank's entries merge into one dict: full_state_dict(), for one rank to save for all.
+every rank's entries merge into one dict: full_state_dict(), for one rank to save for all. An
+entry ends with a SHA-256 digest of the bytes before it: a flipped bit in an error memory unpickles
+as well as the saved one, and would change training silently.
 
 `pack` and `own_part` make and read that form; `problems` says what stops a rank's state from
 being loaded into a run, each problem with what to do. Pure functions: SyncState.load_state_dict
@@ -23,8 +25,10 @@ from typing import Any
 import torch
 
 # state_dict's layout. 2: rank, world size, step, config and model recorded and checked; 3: packed
-# under the rank's key, a fixed shape.
-FORMAT = 3
+# under the rank's key, a fixed shape; 4: each entry ends with its digest (3's still load, unchecked).
+FORMAT = 4
+READABLE = (3, FORMAT)
+_DIGEST_MARK = b"gradsync-sha256:"  # then the 32-byte digest of the torch.save bytes before it
 KEYS = ("rank", "world_size", "step", "config", "model", "points", "layout", "sparse")
 
 
@@ -39,7 +43,22 @@ def pack(own: Mapping[str, Any], rank: int) -> dict[str, Any]:
     sub-group, as beside tensor parallelism)."""
     buffer = io.BytesIO()
     torch.save(dict(own), buffer)
+    buffer.write(_DIGEST_MARK + hashlib.sha256(buffer.getbuffer()).digest())
     return {"format": FORMAT, part_key(rank): buffer.getvalue()}
+
+
+def entry_body(entry: bytes) -> memoryview:
+    """The torch.save bytes of a format-4 entry, once its digest shows them as saved; ValueError
+    naming what is wrong where not (the file was damaged, or cut short)."""
+    body_end = len(entry) - 32 - len(_DIGEST_MARK)
+    if body_end < 0 or entry[body_end : body_end + len(_DIGEST_MARK)] != _DIGEST_MARK:
+        raise ValueError("it does not end with its digest: the file was cut short or is not of this gradsync")
+    body = memoryview(entry)[:body_end]
+    if hashlib.sha256(body).digest() != entry[body_end + len(_DIGEST_MARK) :]:
+        raise ValueError(
+            "its bytes differ from those saved (their SHA-256 digest does not match): the file is damaged"
+        )
+    return body
 
 
 def problems(
@@ -98,13 +117,13 @@ def _own_part(
 ) -> tuple[Mapping[str, Any] | None, list[str]]:
     if not isinstance(state, Mapping):
         return None, [f"a gradsync state is a dict from SyncState.state_dict(), got a {type(state).__name__}"]
-    if state.get("format") != FORMAT:
+    if state.get("format") not in READABLE:
         older = (
             " (gradsync 0.1's before checkpoints were packed per rank)" if state.get("format") == 2 else ""
         )
         return None, [
-            f"its format is {state.get('format')!r}{older}, not {FORMAT}: it is not a state_dict() of "
-            "this gradsync; resume from a checkpoint this version saved, or register afresh"
+            f"its format is {state.get('format')!r}{older}, not one of {list(READABLE)}: it is not a "
+            "state_dict() of this gradsync; resume from a checkpoint this version saved, or register afresh"
         ]
     if part_key(rank) not in state:
         held = [key for key in state if isinstance(key, str) and key.startswith("rank ")]
@@ -114,8 +133,13 @@ def _own_part(
             "file per rank (state_dict() on every rank), or one file for all with full_state_dict() "
             "on every rank (gradsync.AllRanks(state) gives a framework that saves from rank 0 that)"
         ]
+    entry = state[part_key(rank)]
     try:
-        own = torch.load(io.BytesIO(state[part_key(rank)]), map_location=onto(device), weights_only=True)
+        body = entry_body(entry) if state["format"] == FORMAT else entry
+    except ValueError as error:
+        return None, [f"its entry for rank {rank}: {error}; resume from another checkpoint"]
+    try:
+        own = torch.load(io.BytesIO(body), map_location=onto(device), weights_only=True)
     except Exception as error:  # damaged bytes: refused like any other bad state, on every rank
         return None, [f"its entry for rank {rank} cannot be read ({type(error).__name__}: {error})"]
     if not isinstance(own, Mapping):

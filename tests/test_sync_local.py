@@ -363,7 +363,7 @@ def test_a_state_saved_on_a_gpu_resumes_on_this_ranks_own_device() -> None:
         saving = False
     if torch.cuda.device_count() <= 5:  # where GPU 5 exists, torch.load would put them there
         with pytest.raises(RuntimeError, match="CUDA"):
-            torch.load(io.BytesIO(saved["rank 0"]), weights_only=True)
+            torch.load(io.BytesIO(checkpoint.entry_body(saved["rank 0"])), weights_only=True)
     expected = run_steps(state, gs[WARMUP + 3 :])
     restored = new_state(error_feedback="ef")
     restored.load_state_dict(saved)
@@ -374,7 +374,7 @@ def test_a_state_saved_on_a_gpu_resumes_on_this_ranks_own_device() -> None:
 def test_a_restore_that_fails_in_a_codec_leaves_the_state_as_it_was() -> None:
     state = new_state(compressor="dgc")
     run_steps(state, gradients(WARMUP + 2))
-    own = torch.load(io.BytesIO(state.state_dict()["rank 0"]), weights_only=True)
+    own = torch.load(io.BytesIO(checkpoint.entry_body(state.state_dict()["rank 0"])), weights_only=True)
     del own["points"][1]["codec"]["v"]  # the second group's codec cannot take its state
     damaged = checkpoint.pack(own, 0)
     before = (state.step, dict(state.points), state.state_dict())
@@ -382,6 +382,28 @@ def test_a_restore_that_fails_in_a_codec_leaves_the_state_as_it_was() -> None:
         state.load_state_dict(damaged)
     assert (state.step, state.points) == before[:2]
     assert state.state_dict() == before[2]
+
+
+def test_a_flipped_bit_in_a_saved_error_memory_is_refused_and_format_3_still_loads() -> None:
+    # A bit flipped inside a tensor's bytes unpickles as well as the saved one: only the entry's
+    # digest tells them apart, and a load must not silently change the trajectory.
+    gs = gradients(WARMUP + 6)
+    state = new_state(compressor="topk", error_feedback="ef")
+    run_steps(state, gs[: WARMUP + 3])
+    saved = state.state_dict()
+    entry = bytearray(saved["rank 0"])
+    entry[len(entry) // 2] ^= 0x40  # in the middle of the error memories
+    restored = new_state(compressor="topk", error_feedback="ef")
+    fresh = restored.state_dict()
+    with pytest.raises(ValueError, match=r"(?s)nothing was loaded.*SHA-256 digest does not match"):
+        restored.load_state_dict({**saved, "rank 0": bytes(entry)})
+    assert restored.state_dict() == fresh
+    expected = run_steps(state, gs[WARMUP + 3 :])
+    # The entry a format-3 state_dict held: the same bytes without the digest, loaded unchecked.
+    older = {"format": 3, "rank 0": bytes(checkpoint.entry_body(saved["rank 0"]))}
+    restored.load_state_dict(older)
+    outs = run_steps(restored, gs[WARMUP + 3 :])
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
 
 
 def test_the_state_dict_has_one_shape_from_creation_on() -> None:

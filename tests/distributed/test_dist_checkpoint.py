@@ -137,7 +137,8 @@ REFUSALS = {
     "a non-finite memory": r"rank 1: its group 0 feedback error hold NaN or inf",
     "missing keys": r"lacks \['points'\]",
     "a memory its feedback refuses": r"rank 1: its saved state cannot be rebuilt \(ValueError: .* keys \[\]",
-    "damaged bytes": r"its entry for rank \d cannot be read",
+    "damaged bytes": r"its entry for rank \d: it does not end with its digest: the file was cut short",
+    "a flipped bit": r"its entry for rank \d: its bytes differ from those saved",
     "a negative step": r"step is -5",
     "another model": r"a model with other parameters",
     "another config": r"resume with the same SyncConfig",
@@ -166,6 +167,7 @@ def bad_checkpoints(rank: int, world_size: int) -> dict:
         # Found only as rank 1 builds its points: rank 0, whose file is sound, restores nothing.
         "a memory its feedback refuses": checkpoint.pack(no_error, rank) if rank == 1 else at_4,
         "damaged bytes": {**at_4, f"rank {rank}": at_4[f"rank {rank}"][:-9]},
+        "a flipped bit": {**at_4, f"rank {rank}": _flipped(at_4[f"rank {rank}"], rank)},
         "a negative step": checkpoint.pack({**own, "step": -5}, rank),
         "another model": _run(rank, cfg, None, 0, range(3), model_width=40)[2].state_dict(),
         "another config": _run(rank, config(compressor="qsgd"), None, 0, range(3))[2].state_dict(),
@@ -189,6 +191,17 @@ def bad_checkpoints(rank: int, world_size: int) -> dict:
     train(model_b, opt_b, rank, range(4, 6))
     out["single file"] = torch.equal(flat_params(model), flat_params(model_b))
     return out
+
+
+def _flipped(entry: bytes, rank: int) -> bytes:
+    """`entry` with one bit flipped in the middle of the rank's error memory's bytes."""
+    body = bytes(checkpoint.entry_body(entry))
+    own, _ = checkpoint.own_part({"format": 3, f"rank {rank}": body}, rank)
+    memory = own["points"][0]["feedback"]["error"]
+    at = body.index(memory.numpy().tobytes()) + memory.numel() * 2  # its middle
+    damaged = bytearray(entry)
+    damaged[at] ^= 0x40
+    return bytes(damaged)
 
 
 def test_every_bad_checkpoint_is_refused_on_every_rank_and_one_file_for_all_resumes_exactly() -> None:
