@@ -4,6 +4,7 @@ the collectives of a world of one, and a whole profile run."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -290,6 +291,14 @@ def test_the_hook_path_is_timed_before_and_after_its_collective() -> None:
     # 64 times the elements: the hook's compress and decode take longer.
     assert measured["before"][1] > measured["before"][0]
     assert measured["after"][1] > measured["after"][0]
+
+
+def test_timing_the_hook_does_not_log_that_the_run_compresses(caplog: pytest.LogCaptureFixture) -> None:
+    # plan="auto" times each codec while the run itself still sends fp32: "compressing from step"
+    # is the run's own line, and a timing state must not say it.
+    with caplog.at_level(logging.INFO, logger="gradsync"):
+        profile.measure_hook(profile.hook_config("int4"), (1 << 14,), repeats=1)
+    assert not [r for r in caplog.records if "compressing from step" in r.getMessage()]
 
 
 def test_a_sparsifier_is_timed_past_its_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -172,6 +172,7 @@ def measure_hook(
             )
         comm = _IssueClock(clock)
         state = SyncState(config, comm)
+        state._compressing = True  # a timing: only the run's own states log "compressing from step"
         x = torch.randn(numel, generator=generator).to(device)
         times: dict[str, list[float]] = {phase: [] for phase in HOOK_PHASES}
         for step in range(config.warmup_steps + 1 + repeats):  # + 1: a warm-up compressed step
