@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import compress
 from .comm import TorchComm
 from .compress.base import check_int
-from .config import AUTO_PLAN, NO_COMPRESSION, SyncConfig
+from .config import AUTO_PLAN, NO_COMPRESSION, SyncConfig, require_config
 from .ddp import hook
 from .plan import Plan
 from .strategy import shards
@@ -49,8 +49,7 @@ def register(
     """
     if config is None:
         config = SyncConfig()
-    if not isinstance(config, SyncConfig):
-        raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
+    require_config(config)
     if _is_sharded(model):
         return _register_sharded(model, config, replicate_group)
     if replicate_group is not None:

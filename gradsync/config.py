@@ -230,6 +230,14 @@ class SyncConfig:
         return json.dumps(self.to_dict(), sort_keys=True, default=repr)
 
 
+def require_config(config: object) -> SyncConfig:
+    """`config` if it is a SyncConfig, else TypeError saying how to make one."""
+    if isinstance(config, SyncConfig):
+        return config
+    fix = ": make one with gradsync.SyncConfig(**config)" if isinstance(config, Mapping) else ""
+    raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}{fix}")
+
+
 def _as_floats(args: Mapping[str, Any], cls: type | None) -> dict[str, Any]:
     """`args`, each int given for a parameter `cls` takes as a float made that float."""
     floats = registry.float_parameters(cls) if cls is not None else set()

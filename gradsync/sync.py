@@ -42,7 +42,7 @@ from .comm import (
 )
 from .compress import Compressor, lookup
 from .compress.base import check_int
-from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec
+from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec, require_config
 from .feedback import Feedback
 from .lane import Lane
 from .learning_rate import LearningRate, Rates, held_at
@@ -130,8 +130,7 @@ class SyncState:
         DDPStrategy(ddp_comm_hook=gradsync.hook, ddp_comm_state=gradsync.SyncState(config)) in
         Lightning; pass TorchComm(group) where DDP averages over another group. Without `model`
         the state works on DDP's buckets alone (see gradsync.ddp)."""
-        if not isinstance(config, SyncConfig):
-            raise TypeError(f"config must be a gradsync.SyncConfig, got {type(config).__name__}")
+        require_config(config)
         # -- hyperparameters
         self.config = config
         # -- the ranks to average over and the order collectives go out in (not pickled)

@@ -127,6 +127,11 @@ def test_a_whole_number_for_a_float_parameter_gives_the_floats_fingerprint() -> 
         SyncConfig(compressor="topk", compressor_args={"ratio": 2})
 
 
+def test_a_dict_given_for_a_config_is_refused_saying_how_to_make_one() -> None:
+    with pytest.raises(TypeError, match=r"got dict: make one with gradsync.SyncConfig\(\*\*config\)"):
+        gradsync.SyncState({"compressor": "int8"})  # type: ignore[arg-type]
+
+
 def test_argument_mappings_may_be_none_and_must_otherwise_be_mappings() -> None:
     assert SyncConfig(compressor_args=None, error_feedback_args=None) == SyncConfig()  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"compressor_args=\[\('ratio', 0.01\)\] must be a mapping"):
