@@ -178,6 +178,7 @@ class SyncState:
         self._initial_iterations = 2 if getattr(model, "static_graph", False) else 1
         self._ranks_agree = False  # set once every rank's config was compared
         self._compressing = False  # set (and logged) at the first compressed exchange
+        self._largest_small = 0  # the largest group left uncompressed for its size; -1 once said
         # Per parameter, what to add to its next gradient (the average's share) before it is
         # exchanged: error memories of a plan given up (plan="auto" hands over between plans).
         self._carry: dict[int, torch.Tensor] = {}
@@ -479,7 +480,11 @@ class SyncState:
             return self._uncompressed
         if self.plan is not None:
             return self._strategies[group]
-        if self.config.compressor == NO_COMPRESSION or numel < self.config.min_compress_numel:
+        if self.config.compressor == NO_COMPRESSION:
+            return self._uncompressed
+        if numel < self.config.min_compress_numel:
+            if self._largest_small >= 0:
+                self._largest_small = max(self._largest_small, numel)
             return self._uncompressed
         return self._compressor
 
@@ -621,6 +626,14 @@ class SyncState:
         step = self.step
         if is_last:
             self.step += 1
+        if step == self.config.warmup_steps + 1 and self._largest_small > 0 and not self._compressing:
+            log.warning(
+                "gradsync: nothing is compressed: the largest bucket, %d elements, is below "
+                "min_compress_numel=%d (where compressing costs more than it saves); lower "
+                "SyncConfig(min_compress_numel=...) to compress smaller ones",
+                *(self._largest_small, self.config.min_compress_numel),
+            )
+            self._largest_small = -1  # said once
         return step
 
     @contextlib.contextmanager

@@ -592,3 +592,20 @@ def test_close_ends_the_lane_thread_and_a_later_exchange_still_runs() -> None:
     state.close()
     assert not thread.is_alive()
     assert torch.isfinite(sync(state, g)).all()  # a closed state still exchanges, on a new thread
+
+
+def test_a_model_too_small_to_compress_is_said_once_after_warm_up(caplog: pytest.LogCaptureFixture) -> None:
+    # The one line on a small model compresses nothing: a user must hear why, not find it in stats.
+    state = new_state(compressor="int4", min_compress_numel=2500)
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        run_steps(state, gradients(WARMUP + 3))  # buckets of 2000 and 1000 elements
+    said = [r.getMessage() for r in caplog.records if "nothing is compressed" in r.getMessage()]
+    assert said == [
+        "gradsync: nothing is compressed: the largest bucket, 2000 elements, is below "
+        "min_compress_numel=2500 (where compressing costs more than it saves); lower "
+        "SyncConfig(min_compress_numel=...) to compress smaller ones"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        run_steps(new_state(compressor="int4", min_compress_numel=1500), gradients(WARMUP + 3))
+    assert not [r for r in caplog.records if "nothing is compressed" in r.getMessage()]
