@@ -87,6 +87,22 @@ class LearningRate:
         )
         return tuple(rate for _, rate in first_and_rate) or None
 
+    @property
+    def optimizers_known(self) -> bool:
+        """Whether an optimizer over the model's parameters has been seen (now() looks for one)."""
+        return bool(self._optimizers) or self._mixed is not None
+
+    def sgd_momenta(self) -> set[tuple[float, float, bool]]:
+        """(momentum, dampening, nesterov) of each SGD param group over the model's parameters,
+        among the optimizers seen stepping so far (empty before any has)."""
+        return {
+            (float(group["momentum"]), float(group["dampening"]), bool(group["nesterov"]))
+            for optimizer in (ref() for ref in self._optimizers)
+            if optimizer is not None
+            for group in optimizer.param_groups
+            if any(id(p) in self._ids for p in group["params"])
+        }
+
     def ratio(self, before: Rates | None, now: Rates | None) -> float:
         """What scales a memory held at rates `before` so that it moves the parameters at rates
         `now` as far as it would have at `before`: before / now over the groups whose rate is

@@ -179,6 +179,7 @@ class SyncState:
         self._ranks_agree = False  # set once every rank's config was compared
         self._compressing = False  # set (and logged) at the first compressed exchange
         self._largest_small = 0  # the largest group left uncompressed for its size; -1 once said
+        self._momentum_checked = False  # momentum correction's beta against the optimizer's, once
         # Per parameter, what to add to its next gradient (the average's share) before it is
         # exchanged: error memories of a plan given up (plan="auto" hands over between plans).
         self._carry: dict[int, torch.Tensor] = {}
@@ -699,6 +700,23 @@ class SyncState:
         else:
             self._learning_rate.watch(params)
 
+    def _check_momentum(self, momentum: float) -> None:
+        """Momentum correction hands SGD D - beta * D_prev, which its buffer turns back into D only
+        where SGD's momentum is beta, without dampening or Nesterov: say where it is not (a
+        wrong momentum steps silently otherwise)."""
+        assert self._learning_rate is not None
+        wanted = (momentum, 0.0, False)
+        found = self._learning_rate.sgd_momenta() - {wanted}
+        if found:
+            shown = ", ".join(f"SGD(momentum={m}, dampening={d}, nesterov={n})" for m, d, n in sorted(found))
+            log.warning(
+                "gradsync: error_feedback='momentum' corrects for SGD(momentum=%s, dampening=0, "
+                "nesterov=False), but the model is stepped by %s: the update is not the one momentum "
+                "SGD would apply; pass error_feedback_args={'momentum': <your optimizer's>}, or use "
+                "error_feedback='ef'",
+                *(momentum, shown),
+            )
+
     def _follow_learning_rate(self, point: CompressionPoint, step: int) -> None:
         """Where the learning rate changed since the point's memories were last used, scale them
         by old rate / new (gradsync.learning_rate), before `step` adds to them. Also on a step
@@ -707,6 +725,9 @@ class SyncState:
             return
         if self._rates[0] != step:  # read once a step (a tensor rate is read from its device)
             self._rates = (step, self._learning_rate.now())
+        if not self._momentum_checked and isinstance(point.feedback, feedback.MomentumCorrection):
+            self._momentum_checked = self._learning_rate.optimizers_known
+            self._check_momentum(point.feedback.momentum)
         now = self._rates[1]
         ratio = self._learning_rate.ratio(point.rates, now)
         if ratio != 1.0:

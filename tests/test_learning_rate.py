@@ -120,6 +120,38 @@ def test_momentum_correction_moves_the_parameters_as_momentum_sgd_would() -> Non
     torch.testing.assert_close(moved + rate * _memory(state), wanted, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("sgd", "warned"),
+    [
+        ({"momentum": 0.9}, False),
+        ({"momentum": 0.0}, True),
+        ({"momentum": 0.9, "nesterov": True}, True),
+        ({"momentum": 0.9, "dampening": 0.1}, True),
+    ],
+)
+def test_momentum_correction_under_another_sgd_momentum_is_warned_once(
+    sgd: dict, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It hands SGD D - beta * D_prev: only SGD(momentum=beta) without dampening or Nesterov turns
+    # that back into D; any other steps the model silently by another rule.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, **sgd)
+    state = _state(model, error_feedback="momentum", compressor_args={"ratio": 0.05})
+    params = list(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        for _ in range(WARMUP + 3):
+            g = torch.randn(sum(p.numel() for p in params), generator=generator)
+            average = state.sync(g, 0, True, params=list(range(len(params)))).wait()
+            for p, part in zip(params, average.split([p.numel() for p in params]), strict=True):
+                p.grad = part.view_as(p).clone()
+            optimizer.step()
+    said = [r.getMessage() for r in caplog.records if "error_feedback='momentum' corrects" in r.getMessage()]
+    assert len(said) == (1 if warned else 0)
+    if warned:
+        assert f"stepped by SGD(momentum={sgd['momentum']}" in said[0]
+
+
 def test_a_constant_rate_leaves_memories_in_gradient_units() -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
