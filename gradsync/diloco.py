@@ -74,6 +74,10 @@ class _OuterSyncState(SyncState):
     def _compressed_before(self, step: int) -> int:
         return PAST_WARMUP
 
+    def _where(self, group: int, step: int, compress: bool) -> str:
+        # A step here is one fragment's outer sync: DiLoCo has no buckets and no step of its own.
+        return f"fragment {group}'s outer gradient at outer sync {step} (of every fragment, from 0)"
+
 
 @dataclass(frozen=True)
 class Fragment:

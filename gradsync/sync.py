@@ -243,7 +243,7 @@ class SyncState:
         """
         self._comm()
         step = self._begin(is_last, buffer.device)
-        where = f"{'group' if self.plan is not None and compress else 'bucket'} {group} at step {step}"
+        where = self._where(group, step, compress)
         with self._failures_named(where):
             try:
                 future = self._sync_group(buffer, group, step, compress, params)
@@ -256,6 +256,10 @@ class SyncState:
             if is_last and drain:
                 self.lane.drain()
         return self._named(future, where)
+
+    def _where(self, group: int, step: int, compress: bool) -> str:
+        """The exchange a failure names: which bucket or plan group, at which step."""
+        return f"{'group' if self.plan is not None and compress else 'bucket'} {group} at step {step}"
 
     def sync_rows(self, grad: torch.Tensor, key: str, is_last: bool) -> Future[torch.Tensor]:
         """Average a sparse COO gradient (nn.Embedding(sparse=True)) over the ranks through

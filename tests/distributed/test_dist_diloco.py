@@ -230,5 +230,6 @@ def test_a_rank_that_dies_before_a_sync_makes_every_other_raise(compressor: str)
             continue
         raised = result["raised"]
         assert raised is not None and "CollectiveError" in raised and "gradsync: " in raised, result
+        assert "fragment 0's outer gradient at outer sync 1 " in raised, raised  # its second sync
         assert result["step"] == 3 and result["seconds"] <= PG_TIMEOUT_S + 5, result
         assert result["global_unchanged"], raised  # no outer step from a broken exchange
