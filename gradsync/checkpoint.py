@@ -129,9 +129,10 @@ def _own_part(
         held = [key for key in state if isinstance(key, str) and key.startswith("rank ")]
         owner = f"{held[0]}'s state" if len(held) == 1 else f"the states of {held or 'no rank'}"
         return None, [
-            f"it holds {owner}, loaded on rank {rank}: each rank's error memory is its own. Save one "
-            "file per rank (state_dict() on every rank), or one file for all with full_state_dict() "
-            "on every rank (gradsync.AllRanks(state) gives a framework that saves from rank 0 that)"
+            f"it holds {owner}, loaded on rank {rank}: each rank's error memory is its own. Load on "
+            f"each rank the file that rank saved (here rank {rank}'s state_dict()), or one file for all, "
+            "saved by full_state_dict() on every rank (gradsync.AllRanks(state) gives a framework "
+            "that saves from rank 0 that)"
         ]
     entry = state[part_key(rank)]
     try:

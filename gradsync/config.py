@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import warnings
@@ -83,6 +84,18 @@ class SyncConfig:
     # register(), before training), or "auto" (gradsync makes the plan in the first steps). None:
     # `compressor` on every DDP bucket. Not hashed: a plan holds dicts.
     plan: PlanLike | Mapping[str, Any] | str | os.PathLike | None = field(default=None, hash=False)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SyncConfig:
+        # Python's own error for a misspelt field names it but not the fields there are.
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+            hints = "".join(
+                f"; {name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match
+            )
+            raise TypeError(f"SyncConfig got unknown field(s) {unknown}{hints} (its fields: {known})")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         for name in ("compressor_args", "error_feedback_args"):
@@ -254,6 +267,13 @@ def build_codec(name: str, args: Mapping[str, Any], seed: int) -> compress.Compr
 
 def _plan_value(value: Any) -> Any:
     """`value` as SyncConfig keeps it: None, "auto", a path, a read-only dict or a plan; or TypeError."""
+    if (
+        isinstance(value, str)
+        and value != AUTO_PLAN
+        and value.lower() == AUTO_PLAN
+        and not os.path.exists(value)
+    ):
+        raise ValueError(f"plan={value!r} is no plan file here; did you mean plan={AUTO_PLAN!r}?")
     if value is None or isinstance(value, (str, os.PathLike)) or hasattr(value, "strategies"):
         return value
     if isinstance(value, Mapping):

@@ -127,6 +127,17 @@ def test_a_whole_number_for_a_float_parameter_gives_the_floats_fingerprint() -> 
         SyncConfig(compressor="topk", compressor_args={"ratio": 2})
 
 
+def test_a_misspelt_field_or_plan_is_refused_with_what_was_meant() -> None:
+    with pytest.raises(
+        TypeError, match=r"unknown field\(s\) \['compresor'\]; 'compresor': did you mean 'compressor'"
+    ):
+        SyncConfig(compresor="int4")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match=r"plan='Auto' is no plan file here; did you mean plan='auto'"):
+        SyncConfig(plan="Auto")
+    assert dataclasses.replace(SyncConfig(), seed=3).seed == 3  # replace() goes through the check
+    assert pickle.loads(pickle.dumps(SyncConfig(seed=4))) == SyncConfig(seed=4)
+
+
 def test_a_dict_given_for_a_config_is_refused_saying_how_to_make_one() -> None:
     with pytest.raises(TypeError, match=r"got dict: make one with gradsync.SyncConfig\(\*\*config\)"):
         gradsync.SyncState({"compressor": "int8"})  # type: ignore[arg-type]

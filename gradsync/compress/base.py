@@ -309,9 +309,8 @@ def count_for(numel: int, ratio: float) -> int:
 
 
 def check_fraction(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name}={value!r} is out of range (0, 1]; pass a fraction such as 0.01")
-    return float(value)
+    """`value` as a float if it is a number in (0, 1] (a string is told to be a number)."""
+    return check_real(name, value, 0.0, 1.0, "(]", "pass a fraction such as 0.01")
 
 
 def check_int(name: str, value: Any, lo: int, hi: int | float = math.inf, why: str = "") -> int:
