@@ -30,6 +30,9 @@ from gradsync import checkpoint
 STEPS = 12
 SAVE_AT = 6
 CASES = [
+    # The default: int4 by two-shot, whose owners keep a residual of their shard's second
+    # encoding besides each rank's own (a world of one never writes it).
+    ("int4", {}, "auto"),
     ("topk", {"ratio": 0.05}, "ef"),
     ("randk", {"ratio": 0.05}, "ef21"),
     ("qsgd", {}, "none"),

@@ -250,3 +250,19 @@ def test_payload_bytes_exclude_the_flag_and_bytes_sent_include_it(
         else:  # a ring allgather of bytes, padded to the longest payload, and a flag byte
             expected = (world - 1) * (longest + 1)
         assert got["sent_nbytes"] == expected, f"rank {rank}"
+
+
+def _owner_overflow(rank: int, world: int) -> bool:
+    # Every input is finite, but rank 1's entry 6, in its own shard, is past fp16's range: only
+    # rank 1, as that shard's owner, sees its sum overflow.
+    x = torch.full((8,), 0.5)
+    if rank == 1:
+        x[6] = 1e5
+    out = torch.empty(4)
+    return exchange.reduce_scatter(build("fp16"), x, out, TorchComm(None), average=True, agree=True).finite
+
+
+def test_a_reduce_scatter_that_overflows_at_one_owner_is_skipped_by_every_rank() -> None:
+    # With error feedback (agree=True) the ranks must skip alike, or one owner's memories and
+    # parameters part from the others'.
+    assert run_ranks(_owner_overflow, 2) == [False, False]

@@ -170,3 +170,43 @@ def test_a_topk_payload_is_averaged_alike_by_every_scheme(topk: list[dict]) -> N
                     assert torch.equal(got, expected)
                 else:
                     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+class _Table(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(1000, 16)  # a dense gradient, mostly zero rows
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(words).mean(1))
+
+
+def _unequal_densities(rank: int, world: int) -> dict:
+    # Rank 0 touches 95% of the table's rows, rank 1 10%: each alone would decide differently
+    # (dense, rows), and ranks that issue different collectives hang. The decision is taken on
+    # the mean count of rows, the same on every rank.
+    words = torch.arange(950 if rank == 0 else 100).view(-1, 1)
+    out = {}
+    for label in ("ddp", "gradsync"):
+        model = _Table()
+        ddp = DistributedDataParallel(model)
+        config = gradsync.SyncConfig(sparse_scheme="auto", warmup_steps=100)  # uncompressed buckets
+        state = gradsync.register(ddp, config) if label == "gradsync" else None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(2):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(words), torch.zeros(len(words), dtype=torch.long)).backward()
+            optimizer.step()
+        out[label] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if state is not None:
+            out["schemes"] = {key: s["exchanged_by"] for key, s in state.stats()["sparse"].items()}
+    return out
+
+
+def test_ranks_of_unequal_density_choose_one_scheme_and_match_ddp() -> None:
+    ranks = run_ranks(_unequal_densities, 2, timeout_s=60)
+    assert ranks[0]["schemes"] and ranks[0]["schemes"] == ranks[1]["schemes"]
+    for r in ranks:
+        torch.testing.assert_close(r["gradsync"], r["ddp"])
