@@ -139,6 +139,13 @@ class TorchComm:
         return recv
 
 
+def on_nccl(comm: Comm) -> bool:
+    """Whether `comm`'s collectives run on NCCL: on the GPU, their futures complete once queued
+    (not once run), and their tensors must be on the GPU. A TorchComm's group None is the default
+    group, which may be NCCL too."""
+    return isinstance(comm, TorchComm) and dist.get_backend(comm.group) == "nccl"
+
+
 def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor:
     """The 1-D parts as one tensor: the buffer they already lie end to end in (slices of one send
     buffer, as two-shot's frames), else their concatenation."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import os
 import warnings
@@ -86,7 +87,8 @@ class SyncConfig:
     plan: PlanLike | Mapping[str, Any] | str | os.PathLike | None = field(default=None, hash=False)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> SyncConfig:
-        # Python's own error for a misspelt field names it but not the fields there are.
+        # Python's own error for a misspelt field names it but not the fields there are. (Here,
+        # not around __init__: a wrapper would shift the caller's line that warnings point at.)
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
@@ -241,6 +243,12 @@ class SyncConfig:
     def fingerprint(self) -> str:
         """Canonical text of the config: equal on two ranks exactly when their configs are."""
         return json.dumps(self.to_dict(), sort_keys=True, default=repr)
+
+
+# inspect.signature (help(), IDEs, config tools such as LightningCLI) reads a class's own __new__
+# before its __init__: without this it would show (*args, **kwargs) instead of the fields.
+_init = inspect.signature(SyncConfig.__init__)
+SyncConfig.__signature__ = _init.replace(parameters=list(_init.parameters.values())[1:])  # type: ignore[attr-defined]
 
 
 def require_config(config: object) -> SyncConfig:

@@ -70,6 +70,7 @@ class _OuterSyncState(SyncState):
     # The outer gradient is applied at the outer optimizer's rate, not at the inner SGD's that
     # gradsync.learning_rate would find over the same parameters.
     follows_learning_rate = False
+    says_nothing_compressed = False  # DiLoCo says it of its fragments, in its own terms
 
     def _compressed_before(self, step: int) -> int:
         return PAST_WARMUP
@@ -176,6 +177,13 @@ class DiLoCo:
         self._params = params
         self._broadcast_from_first(model, comm, process_group)
         self._fragments = cut(sizes, fragments, sync_every)
+        largest = max(f.numel for f in self._fragments)
+        if config.compressor != NO_COMPRESSION and largest < config.min_compress_numel:
+            log.warning(
+                "gradsync DiLoCo: nothing is compressed: the largest fragment, %d elements, is below "
+                "%d (where compressing costs more than it saves); fewer fragments make larger ones",
+                *(largest, config.min_compress_numel),
+            )
         # The global parameters, one flat tensor per fragment, in fp32 at least: a bf16 model's
         # outer gradient and momentum would lose what inner steps add. The outer optimizer steps a
         # fragment's tensor alone (the others have no gradient then).

@@ -38,6 +38,7 @@ from .comm import (
     allreduce_sent_nbytes,
     completed,
     gather_object,
+    on_nccl,
     then,
 )
 from .compress import Compressor, lookup
@@ -123,6 +124,9 @@ class SyncState:
     # Whether error memories follow the learning rate of an SGD over the model's parameters
     # (gradsync.learning_rate): a gradient's held-back part moves them as far as it would have.
     follows_learning_rate: ClassVar[bool] = True
+    # Whether a run whose groups are all below min_compress_numel is warned about after warm-up
+    # (DiLoCo says it of its fragments when it is built).
+    says_nothing_compressed: ClassVar[bool] = True
 
     def __init__(self, config: SyncConfig, comm: Comm | None = None, model: nn.Module | None = None) -> None:
         """`comm`: the ranks to average over. None binds the default process group at the first
@@ -306,7 +310,7 @@ class SyncState:
         """Everything this rank's resumed run needs to continue the exact same trajectory.
 
         It is this rank's own (error memories differ from rank to rank), packed as one entry under
-        its rank's key: {"format": 3, "rank <r>": bytes}, a shape fixed from registration on. Save
+        its rank's key: {"format": 4, "rank <r>": bytes}, a shape fixed from registration on. Save
         one file per rank; or gather every rank's into one with full_state_dict(); or pass the
         state itself to torch.distributed.checkpoint (dcp.save({"gradsync": state}, ...)).
         """
@@ -631,7 +635,12 @@ class SyncState:
         step = self.step
         if is_last:
             self.step += 1
-        if step == self.config.warmup_steps + 1 and self._largest_small > 0 and not self._compressing:
+        if (
+            step == self.config.warmup_steps + 1
+            and self._largest_small > 0
+            and not self._compressing
+            and self.says_nothing_compressed
+        ):
             log.warning(
                 "gradsync: nothing is compressed: the largest bucket, %d elements, is below "
                 "min_compress_numel=%d (where compressing costs more than it saves); lower "
@@ -709,6 +718,8 @@ class SyncState:
         where SGD's momentum is beta, without dampening or Nesterov: say where it is not (a
         wrong momentum steps silently otherwise)."""
         assert self._learning_rate is not None
+        if momentum == 0:  # residual feedback, whatever the optimizer does with the average
+            return
         wanted = (momentum, 0.0, False)
         found = self._learning_rate.sgd_momenta() - {wanted}
         if found:
@@ -902,8 +913,7 @@ def collective_device(comm: Comm, model_device: torch.device | None = None) -> t
     """Where small collectives (checks, checkpoints) over `comm` run: the model's device. Under
     NCCL, the model's GPU where known: a script that hands DDP device_ids=[local_rank] without
     torch.cuda.set_device has every rank's current device at cuda:0."""
-    # A TorchComm's group None is the default group, which may be NCCL too.
-    if isinstance(comm, TorchComm) and dist.get_backend(comm.group) == "nccl":
+    if on_nccl(comm):
         if model_device is not None and model_device.type == "cuda":
             return model_device
         return torch.device("cuda", torch.cuda.current_device())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import pickle
 import warnings
 from typing import Any
@@ -135,6 +136,8 @@ def test_a_misspelt_field_or_plan_is_refused_with_what_was_meant() -> None:
     with pytest.raises(ValueError, match=r"plan='Auto' is no plan file here; did you mean plan='auto'"):
         SyncConfig(plan="Auto")
     assert dataclasses.replace(SyncConfig(), seed=3).seed == 3  # replace() goes through the check
+    # ... and the fields are still the constructor's signature, for help(), IDEs and config tools.
+    assert list(inspect.signature(SyncConfig).parameters) == [f.name for f in dataclasses.fields(SyncConfig)]
     assert pickle.loads(pickle.dumps(SyncConfig(seed=4))) == SyncConfig(seed=4)
 
 

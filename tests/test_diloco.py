@@ -59,6 +59,26 @@ def test_nothing_syncs_before_the_hth_step_then_local_becomes_the_nesterov_stepp
     assert outer.stats()["inner_steps"] == 3 and outer.stats()["step"] == 1  # one fragment sync
 
 
+def test_fragments_too_small_to_compress_are_said_when_diloco_is_built(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # In DiLoCo's own terms (fragments), once: not a bucket's advice to set a SyncConfig it
+    # does not take.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4096), nn.Tanh(), nn.Linear(4096, 4))  # 53,252 elements
+    with caplog.at_level("WARNING", logger="gradsync"):
+        for fragments in (2, 4):  # 26,626 and 13,313 elements each
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+            outer = gradsync.DiLoCo(net, optimizer, sync_every=4, fragments=fragments, compressor="int4")
+            train(net, optimizer, range(8))
+            outer.close()
+    said = [r.getMessage() for r in caplog.records if "nothing is compressed" in r.getMessage()]
+    assert said == [
+        "gradsync DiLoCo: nothing is compressed: the largest fragment, 13313 elements, is below 16384 "
+        "(where compressing costs more than it saves); fewer fragments make larger ones"
+    ]
+
+
 def test_top_k_compresses_outer_gradients_at_its_ratio_from_the_first_sync() -> None:
     # Its sparsity warm-up counts steps of training; counted in outer syncs (one per H steps) it
     # would span most of a run, so outer gradients are sparsified at `ratio` from the first.

@@ -121,22 +121,28 @@ def test_momentum_correction_moves_the_parameters_as_momentum_sgd_would() -> Non
 
 
 @pytest.mark.parametrize(
-    ("sgd", "warned"),
+    ("beta", "sgd", "warned"),
     [
-        ({"momentum": 0.9}, False),
-        ({"momentum": 0.0}, True),
-        ({"momentum": 0.9, "nesterov": True}, True),
-        ({"momentum": 0.9, "dampening": 0.1}, True),
+        (0.9, {"momentum": 0.9}, False),
+        (0.9, {"momentum": 0.0}, True),
+        (0.9, {"momentum": 0.9, "nesterov": True}, True),
+        (0.9, {"momentum": 0.9, "dampening": 0.1}, True),
+        (0.0, {"momentum": 0.9}, False),  # beta 0 is residual feedback, under any optimizer
     ],
 )
 def test_momentum_correction_under_another_sgd_momentum_is_warned_once(
-    sgd: dict, warned: bool, caplog: pytest.LogCaptureFixture
+    beta: float, sgd: dict, warned: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     # It hands SGD D - beta * D_prev: only SGD(momentum=beta) without dampening or Nesterov turns
     # that back into D; any other steps the model silently by another rule.
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, **sgd)
-    state = _state(model, error_feedback="momentum", compressor_args={"ratio": 0.05})
+    state = _state(
+        model,
+        error_feedback="momentum",
+        error_feedback_args={"momentum": beta},
+        compressor_args={"ratio": 0.05},
+    )
     params = list(model.parameters())
     generator = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="gradsync"):

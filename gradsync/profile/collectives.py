@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..comm import Comm
+from ..comm import Comm, on_nccl
 from ..cost import LinearFit, fit_linear
 from .timeline import Clock, synchronize
 
@@ -212,10 +212,11 @@ def _transfers_while(
 
     The transfers end when the last completes, timed by a callback, not when this thread next
     looks (after the compute step then running); the compute steps counted are those that began
-    while transfers ran. On CUDA, NCCL completes a collective's future once its kernel is queued:
-    there the end is an event on a side stream made to wait for each transfer (the compute's own
-    stream is not), and every compute step counted began before the last such event completed."""
-    cuda = inputs[0].device.type == "cuda"
+    while transfers ran. NCCL completes a collective's future once its kernel is queued: there
+    the end is an event on a side stream made to wait for each transfer (the compute's own stream
+    is not), and every compute step counted began before the last such event completed. (gloo
+    completes it when the transfer is over, on CUDA tensors too.)"""
+    cuda = inputs[0].device.type == "cuda" and on_nccl(comm)
     started = time.perf_counter()
     if cuda:
         side = torch.cuda.Stream(inputs[0].device)
