@@ -177,6 +177,12 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
         (["--repeats", "-1"], "--repeats=-1 must be >= 1"),
         (["--threads", "0"], "--threads=0 must be >= 1"),
         (["--only", "fp16,nope"], "unknown label(s) ['nope']"),
+        (["--device", "gpu"], "--device: device='gpu': the benchmark times on 'cpu' or 'cuda'"),
+        *(
+            []
+            if torch.cuda.is_available()
+            else [(["--device", "cuda"], "device='cuda': torch sees no CUDA GPU here; pass device='cpu'")]
+        ),
     ],
 )
 def test_cli_rejects_bad_arguments_naming_the_value(extra, message, capsys):
@@ -184,3 +190,37 @@ def test_cli_rejects_bad_arguments_naming_the_value(extra, message, capsys):
         cli.main(["bench", "kernels", *extra])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_table_names_the_gpu_a_run_timed_on(tmp_path):
+    path = tmp_path / "kernels.json"
+    assert (
+        cli.main(
+            [
+                "bench",
+                "kernels",
+                "--numel",
+                str(NUMEL),
+                "--repeats",
+                "1",
+                "--only",
+                "fp16",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
+    document = json.loads(path.read_text())
+    assert "gpu" not in document["meta"] and " cores (" in kernels.table(document).splitlines()[-1]
+    document["meta"]["gpu"] = "NVIDIA H200"
+    assert "on one NVIDIA H200, torch" in kernels.table(document).splitlines()[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_run_times_the_same_payloads_on_the_gpu():
+    on_cpu = kernels.run(numel=NUMEL, repeats=1, labels=["fp16", "int4", "topk"])
+    on_gpu = kernels.run(numel=NUMEL, repeats=1, labels=["fp16", "int4", "topk"], device="cuda")
+    assert [r.bits_per_element for r in on_gpu] == [r.bits_per_element for r in on_cpu]
+    assert all(r.seconds > 0 and r.clone_seconds > 0 for r in on_gpu)
+    assert kernels.metadata(NUMEL, 1, 1, "cuda")["gpu"] == torch.cuda.get_device_name()

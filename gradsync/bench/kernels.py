@@ -97,9 +97,12 @@ def run(
     threads: int = 1,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ) -> list[KernelResult]:
-    """Time compress + decompress of every variant (or those in `labels`) on `threads` threads."""
+    """Time compress + decompress of every variant (or those in `labels`) on `threads` threads, the
+    tensor on `device` ("cpu", or "cuda" for the current GPU)."""
     variants = _select(labels)
+    where = timing_device(device)
     if numel < 1:
         raise ValueError(f"numel={numel} must be >= 1; pass a tensor size such as 2**24")
     if repeats < 1:
@@ -109,7 +112,7 @@ def run(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(where)
         results = []
         for i, variant in enumerate(variants, start=1):
             if progress is not None:
@@ -145,21 +148,28 @@ def format_table(results: Sequence[KernelResult], threads: int) -> str:
     return "\n".join(lines)
 
 
-def metadata(numel: int, threads: int, repeats: int) -> dict[str, Any]:
-    """The set-up of a run, stored next to its results, with the commit and machine it ran at."""
+def metadata(numel: int, threads: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
+    """The set-up of a run, stored next to its results, with the commit and machine it ran at (and
+    the GPU's name, where the tensor was on one)."""
     from .report import provenance
 
-    return {"numel": numel, "threads": threads, "repeats": repeats, **provenance()}
+    where = timing_device(device)
+    gpu = {"gpu": torch.cuda.get_device_name(where)} if where.type == "cuda" else {}
+    return {"numel": numel, "threads": threads, "repeats": repeats, **gpu, **provenance()}
 
 
 def table(document: dict[str, Any]) -> str:
     """The Markdown table of a results document as write_json stores it."""
     results = [KernelResult(**r) for r in document["results"]]
     meta = document["meta"]
+    where = (
+        f"one {meta['gpu']}"
+        if "gpu" in meta
+        else f"{meta['machine']['cores']} cores ({meta['machine']['cpu']})"
+    )
     return format_table(results, threads=meta["threads"]) + (
-        f"\n\nMedian of {meta['repeats']} calls each, on {meta['machine']['cores']} cores "
-        f"({meta['machine']['cpu']}), torch {meta['machine']['torch']}; commit {meta['commit'][:12]}, "
-        f"{meta['date']}."
+        f"\n\nMedian of {meta['repeats']} calls each, on {where}, torch {meta['machine']['torch']}; "
+        f"commit {meta['commit'][:12]}, {meta['date']}."
     )
 
 
@@ -174,6 +184,21 @@ def write_json(results: Sequence[KernelResult], meta: dict[str, Any], path: str 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(to_json(results, meta), indent=2) + "\n")
     return path
+
+
+def timing_device(name: str) -> torch.device:
+    """`name` as a device the benchmark can time on: the CPU, or a GPU that is present."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={name!r}: the benchmark times on 'cpu' or 'cuda' (or 'cuda:N')")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r}: torch sees no CUDA GPU here; pass device='cpu'")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _select(wanted: Sequence[str] | None) -> list[Variant]:
@@ -213,10 +238,10 @@ def _time_variant(variant: Variant, x: torch.Tensor, repeats: int, seed: int) ->
     copied.copy_(x)
     codec_times, clone_times, encode_times, copy_times = [], [], [], []
     for _ in range(repeats):
-        clone_times.append(_seconds(x.clone))
-        codec_times.append(_seconds(round_trip))
-        copy_times.append(_seconds(lambda: copied.copy_(x)))
-        encode_times.append(_seconds(encode))
+        clone_times.append(_seconds(x.clone, x.device))
+        codec_times.append(_seconds(round_trip, x.device))
+        copy_times.append(_seconds(lambda: copied.copy_(x), x.device))
+        encode_times.append(_seconds(encode, x.device))
     median = statistics.median
     return _result(
         variant,
@@ -240,9 +265,14 @@ def _encode_as_the_hook_does(codec: compress.Compressor, x: torch.Tensor) -> Cal
     return lambda: codec.compress_corrected(x, memory, 0.25, spare)
 
 
-def _seconds(fn: Callable[[], Any]) -> float:
+def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall time of `fn`; on a GPU, of its kernels too (a launch returns before they run)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -146,9 +147,12 @@ def provenance() -> dict[str, Any]:
         except (OSError, subprocess.CalledProcessError):
             return ""
 
+    commit = git("rev-parse", "HEAD").strip()
     return {
-        "commit": git("rev-parse", "HEAD").strip() or "unknown",
-        "dirty": bool(git("status", "--porcelain", "--", *_CODE).strip()),
+        # A copy of the tree without its .git (a lent GPU machine's) is told its commit by
+        # GRADSYNC_COMMIT; whether it had changes is then unknown (None).
+        "commit": commit or os.environ.get("GRADSYNC_COMMIT", "unknown"),
+        "dirty": bool(git("status", "--porcelain", "--", *_CODE).strip()) if commit else None,
         # One core's speeds beside the name (gradsync.profile.host says why).
         "machine": {
             **machine(),

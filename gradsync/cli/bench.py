@@ -33,6 +33,11 @@ def _add_bench_kernels(benches: argparse._SubParsersAction) -> argparse.Argument
     )
     kernels_parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
     kernels_parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the tensor lives: cpu, or cuda for the current GPU (default cpu)",
+    )
+    kernels_parser.add_argument(
         "--json",
         default="docs/bench-kernels/results.json",
         help="where to write the results (default %(default)s)",
@@ -55,15 +60,20 @@ def _bench_kernels(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         if unknown or not args.only:
             what = f"unknown label(s) {unknown}" if unknown else "no labels given"
             parser.error(f"--only: {what}; valid labels: {','.join(valid)}")
+    try:
+        kernels.timing_device(args.device)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
     results = kernels.run(
         numel=args.numel,
         repeats=args.repeats,
         labels=args.only,
         threads=args.threads,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
+        device=args.device,
     )
     print(kernels.format_table(results, threads=args.threads))
-    meta = kernels.metadata(args.numel, args.threads, args.repeats)
+    meta = kernels.metadata(args.numel, args.threads, args.repeats, args.device)
     path = kernels.write_json(results, meta, args.json)
     print(f"wrote {path}", file=sys.stderr)
     return 0

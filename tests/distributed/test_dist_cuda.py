@@ -171,3 +171,75 @@ def test_a_regrouped_bucket_waits_for_every_groups_gpu_work() -> None:
     regroup.synced(0, first)
     regroup.synced(1, second)
     assert result.wait().tolist() == [7.0, 9.0]
+
+
+def _nccl_transfer_clock(rank: int, world_size: int) -> dict[str, Any]:
+    import time
+
+    from gradsync.comm import TorchComm
+    from gradsync.profile.collectives import _transfers_while
+
+    comm = TorchComm()
+    inputs = [torch.ones(1 << 20, device="cuda") for _ in range(2)]
+    _transfers_while(comm, "allreduce", inputs, 1 << 20, None)  # NCCL's communicator, made once
+    torch.cuda.synchronize()
+    out: dict[str, Any] = {}
+    steps: list[int] = []
+
+    def compute(i: int) -> float:
+        steps.append(i)
+        started = time.perf_counter()
+        torch.ones(256, 256, device="cuda").matmul(torch.ones(256, 256, device="cuda"))
+        torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - started
+
+    for name, work in (("alone", None), ("beside compute", compute)):
+        # NCCL's stream waits for this stream's work: the transfers cannot end before this does.
+        torch.cuda._sleep(int(2e8))
+        seconds, busy = _transfers_while(comm, "allreduce", inputs, 1 << 20, work)
+        out[name] = (seconds * len(inputs), busy)
+    out["compute steps"] = len(steps)
+    return out
+
+
+def test_nccl_transfers_are_timed_to_the_gpus_end_not_to_their_launch() -> None:
+    # NCCL's future completes once the collective is queued; the contention profile's clock must
+    # read the transfers' end on the GPU (here held back by ~0.1 s of sleep on the compute stream).
+    got = run_ranks(_nccl_transfer_clock, 1, backend="nccl", timeout_s=120)[0]
+    for name in ("alone", "beside compute"):
+        total, _ = got[name]
+        assert total > 0.02, (name, total)  # a launch takes microseconds
+    assert got["compute steps"] >= 1 and got["beside compute"][1] > 0
+
+
+def _diloco_on_gpu(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    plain = _mlp()
+    out["plain"] = _train(plain, rank)
+    for name, options in (
+        ("local sgd", {"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}),
+        ("streaming int4", {"sync_every": 2, "compressor": "int4", "fragments": 2, "delay": 1}),
+    ):
+        model = _mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        outer = gradsync.DiLoCo(model, optimizer, **options)
+        g = torch.Generator(device="cuda").manual_seed(1 + rank)
+        for _ in range(STEPS):
+            x = torch.randn(32, 256, device="cuda", generator=g)
+            y = torch.randint(0, 10, (32,), device="cuda", generator=g)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        outer.close()
+        torch.cuda.synchronize()
+        out[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+        out[f"{name} syncs"] = outer.stats()["step"]
+    return out
+
+
+def test_diloco_on_one_gpu_by_nccl() -> None:
+    got = run_ranks(_diloco_on_gpu, 1, backend="nccl", timeout_s=120)[0]
+    # A world of one under Local SGD (H = 1, outer step 1, no momentum) is plain training.
+    assert torch.allclose(got["local sgd"], got["plain"], atol=1e-6)
+    assert torch.isfinite(got["streaming int4"]).all()
+    assert got["streaming int4 syncs"] == STEPS  # 2 fragments, each synced every 2nd step
