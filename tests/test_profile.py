@@ -377,20 +377,25 @@ def test_a_benchmarks_provenance_names_the_cpu_and_its_speeds():
     assert "cpu_model" in made
 
 
-def test_a_copy_without_git_records_the_commit_it_is_told_and_no_claim_of_a_clean_tree(monkeypatch):
+def test_a_copy_told_its_commit_records_it_and_no_claim_of_a_clean_tree(monkeypatch):
     import subprocess
 
     from gradsync.bench import report
+
+    head = report.provenance()["commit"]
+    monkeypatch.setenv("GRADSYNC_COMMIT", head)  # the commit git has: checked as ever
+    assert report.provenance()["commit"] == head and isinstance(report.provenance()["dirty"], bool)
+    monkeypatch.setenv("GRADSYNC_COMMIT", "f" * 40)  # a copy whose .git is older than its files
+    made = report.provenance()
+    assert made["commit"] == "f" * 40 and made["dirty"] is None
 
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")
 
     monkeypatch.setattr(subprocess, "run", no_git)
-    monkeypatch.setenv("GRADSYNC_COMMIT", "f" * 40)
-    made = report.provenance()
-    assert made["commit"] == "f" * 40 and made["dirty"] is None
+    assert report.provenance()["commit"] == "f" * 40
     monkeypatch.delenv("GRADSYNC_COMMIT")
-    assert report.provenance()["commit"] == "unknown"
+    assert report.provenance()["commit"] == "unknown" and report.provenance()["dirty"] is None
 
 
 def test_transfers_are_timed_to_their_completion_not_to_the_end_of_the_compute_step_then_running() -> None:

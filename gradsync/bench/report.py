@@ -147,12 +147,14 @@ def provenance() -> dict[str, Any]:
         except (OSError, subprocess.CalledProcessError):
             return ""
 
-    commit = git("rev-parse", "HEAD").strip()
+    # A copy of the tree whose .git is missing or older (a lent GPU machine's) is told its commit
+    # by GRADSYNC_COMMIT; whether it had changes is then unknown (None).
+    head = git("rev-parse", "HEAD").strip()
+    told = os.environ.get("GRADSYNC_COMMIT", "")
+    known = bool(head) and told in ("", head)
     return {
-        # A copy of the tree without its .git (a lent GPU machine's) is told its commit by
-        # GRADSYNC_COMMIT; whether it had changes is then unknown (None).
-        "commit": commit or os.environ.get("GRADSYNC_COMMIT", "unknown"),
-        "dirty": bool(git("status", "--porcelain", "--", *_CODE).strip()) if commit else None,
+        "commit": head if known else told or "unknown",
+        "dirty": bool(git("status", "--porcelain", "--", *_CODE).strip()) if known else None,
         # One core's speeds beside the name (gradsync.profile.host says why).
         "machine": {
             **machine(),
