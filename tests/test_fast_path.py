@@ -419,3 +419,27 @@ def test_sampled_topk_selects_what_it_selected_before(numel: int, ratio: float) 
         got = sampled_topk(flat, k, 0.01, torch.Generator().manual_seed(seed))
         expected = reference_sampled_topk(flat, k, 0.01, torch.Generator().manual_seed(seed))
         assert torch.equal(got, expected)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_sampled_threshold_is_the_samples_wanted_th_largest_on_every_device(device: str) -> None:
+    from gradsync.compress.sparse import _largest
+
+    sample = torch.randn(10_007, generator=torch.Generator().manual_seed(3)).abs_().to(device)
+    for wanted in (1, 151, 10_006):
+        reference = sample.cpu().sort(descending=True).values[wanted - 1]
+        assert float(_largest(sample, wanted)) == float(reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("numel", "ratio"), [(1 << 20, 0.01), (100_000, 0.1), (300, 0.01)])
+def test_sampled_topk_on_a_gpu_keeps_the_exact_top_k(numel: int, ratio: float) -> None:
+    from gradsync.compress.sparse import exact_topk
+
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(numel))  # no ties
+    k = max(1, int(numel * ratio))
+    got = sampled_topk(flat.cuda(), k, 0.01, torch.Generator(device="cuda").manual_seed(0))
+    assert torch.equal(got.cpu(), exact_topk(flat, k))

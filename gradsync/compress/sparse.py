@@ -198,12 +198,21 @@ def sampled_topk(flat: torch.Tensor, k: int, sample_ratio: float, generator: tor
     # Rank of the threshold within the sample, aiming for about 1.5k candidates overall.
     wanted = min(num_samples, max(1, int(num_samples * k / numel * OVERSELECT) + 1))
     while wanted < num_samples:
-        threshold = sample.kthvalue(num_samples - wanted + 1).values
+        threshold = _largest(sample, wanted)
         candidates = magnitude_at_least(flat, float(threshold), expected=int(k * OVERSELECT * 1.25))
         if candidates.numel() >= k:
             return _best_of(candidates, flat.index_select(0, candidates).abs_(), k)
         wanted *= 4  # the sample underestimated the tail: lower the threshold and retry
     return exact_topk(flat, k)
+
+
+def _largest(sample: torch.Tensor, wanted: int) -> torch.Tensor:
+    """The `wanted`-th largest entry of 1-D `sample` (0-d). On a GPU the least of its top `wanted`:
+    CUDA's kthvalue ranks a single slice in one thread block (3 ms for 671,088 samples on an H200,
+    16x topk's). On the CPU kthvalue is as fast or faster (7 ms against 10 ms for as many on one core)."""
+    if sample.device.type == "cuda":
+        return sample.topk(wanted, sorted=False).values.min()
+    return sample.kthvalue(sample.numel() - wanted + 1).values
 
 
 def magnitude_at_least(flat: torch.Tensor, threshold: float, expected: int) -> torch.Tensor:
