@@ -104,8 +104,10 @@ class TorchComm:
     def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, average: bool) -> Future[torch.Tensor]:
         # As FSDP's own: gloo's reduce-scatter work has no future, so it is waited for here.
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        # torch 2.13 renamed reduce_scatter_tensor (deprecating that name); older torch has only it.
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         try:
-            dist.reduce_scatter_single(out, tensor, op=op, group=self.group)
+            reduce_scatter(out, tensor, op=op, group=self.group)
         except RuntimeError as error:
             raise CollectiveError(_failed("reduce_scatter", tensor, error)) from None
         return completed(out)

@@ -120,3 +120,24 @@ def test_two_shot_is_refused_for_a_codec_whose_random_stream_the_ranks_share() -
     # shard's sum would draw for a shard of its own size and decode with another draw's support.
     with pytest.raises(ValueError, match="random stream the ranks share"):
         exchange.start(build("randk"), torch.randn(100), Route(LocalComm()), "two-shot")
+
+
+def test_torchcomms_reduce_scatter_runs_on_torch_with_either_name(one_rank: None, monkeypatch) -> None:
+    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single; the H200 machine's torch
+    # 2.11 has only the old name, and every FSDP run there failed on the new one.
+    import warnings
+
+    import torch.distributed as dist
+
+    from gradsync.comm import TorchComm
+
+    comm = TorchComm(None)
+    x = torch.arange(6.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the deprecated name is not used where the new one exists
+        assert torch.equal(comm.reduce_scatter(torch.empty(6), x, average=True).wait(), x)
+    if hasattr(dist, "reduce_scatter_single"):
+        monkeypatch.delattr(dist, "reduce_scatter_single")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert torch.equal(comm.reduce_scatter(torch.empty(6), x, average=False).wait(), x)

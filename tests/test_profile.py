@@ -382,6 +382,7 @@ def test_a_copy_told_its_commit_records_it_and_no_claim_of_a_clean_tree(monkeypa
 
     from gradsync.bench import report
 
+    monkeypatch.delenv("GRADSYNC_COMMIT", raising=False)
     head = report.provenance()["commit"]
     monkeypatch.setenv("GRADSYNC_COMMIT", head)  # the commit git has: checked as ever
     assert report.provenance()["commit"] == head and isinstance(report.provenance()["dirty"], bool)

@@ -45,6 +45,8 @@ def make(seed: int) -> nn.Module:
 
 
 def shard(net: nn.Module, mesh=None, policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    # Every rank's CPU, also where a GPU is present (fully_shard's own default is the GPU's mesh).
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
     options = {"mp_policy": policy} if policy is not None else {}
     for layer in net:
         if isinstance(layer, nn.Linear):
