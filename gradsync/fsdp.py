@@ -296,7 +296,10 @@ def _check_fp32(x: torch.Tensor, group: int) -> None:
 def _divide_factors(module: nn.Module) -> set[float]:
     """The gradient divide factors set on `module` (FSDPModule.set_gradient_divide_factor),
     which FSDP keeps on its parameter groups and offers no getter for."""
-    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", [])  # type: ignore[operator]
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch before 2.13: at most one group per module, under another name
+        groups = [group] if (group := getattr(state, "_fsdp_param_group", None)) is not None else []
     factors = (getattr(group, "gradient_divide_factor", None) for group in groups)
     return {factor for factor in factors if factor is not None}
 
