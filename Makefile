@@ -134,6 +134,10 @@ bench-fidelity: $(STAMP)
 bench-kernels: $(STAMP)
 	$(BIN)/python -m gradsync bench kernels
 
+# The same on a GPU (2^26 elements: a clone of 2^24 takes tens of microseconds there); needs CUDA.
+bench-kernels-gpu: $(STAMP)
+	$(BIN)/python -m gradsync bench kernels --device cuda --numel 67108864 --json docs/bench-kernels/h200/results.json
+
 test: $(STAMP)
 	$(BIN)/ruff check gradsync tests
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -215,7 +215,10 @@ def test_the_table_names_the_gpu_a_run_timed_on(tmp_path):
     document = json.loads(path.read_text())
     assert "gpu" not in document["meta"] and " cores (" in kernels.table(document).splitlines()[-1]
     document["meta"]["gpu"] = "NVIDIA H200"
-    assert "on one NVIDIA H200, torch" in kernels.table(document).splitlines()[-1]
+    document["results"][0].update(seconds=0.000314, clone_seconds=0.0123)  # a GPU's and a CPU's
+    rendered = kernels.table(document)
+    assert "on one NVIDIA H200, torch" in rendered.splitlines()[-1]
+    assert "| fp16 | - | 0.314 | 12.3 |" in rendered  # a thousandth of a ms below one, else a tenth
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -138,14 +138,19 @@ def format_table(results: Sequence[KernelResult], threads: int) -> str:
         target = "-" if r.target is None else f"<= {r.target:g}x"
         met = {None: "-", True: "yes", False: "**no**"}[r.meets_target]
         lines.append(
-            f"| {r.label} | {args} | {1e3 * r.seconds:.1f} | {1e3 * r.clone_seconds:.1f} | {r.ratio:.2f} | "
-            f"{r.bits_per_element:.3f} | {target} | {met} | {1e3 * r.encode_seconds:.1f} | "
+            f"| {r.label} | {args} | {_ms(r.seconds)} | {_ms(r.clone_seconds)} | {r.ratio:.2f} | "
+            f"{r.bits_per_element:.3f} | {target} | {met} | {_ms(r.encode_seconds)} | "
             f"{r.encode_ratio:.2f} |"
         )
-    missed = [f"{r.label} ({r.ratio:.1f}x > {r.target:g}x)" for r in results if r.meets_target is False]
+    missed = [f"{r.label} ({r.ratio:.2f}x > {r.target:g}x)" for r in results if r.meets_target is False]
     lines.append("")
     lines.append(f"Missed: {', '.join(missed)}" if missed else "All targets met.")
     return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds to a tenth, or to a thousandth below one (a GPU's times)."""
+    return f"{1e3 * seconds:.1f}" if seconds >= 1e-3 else f"{1e3 * seconds:.3f}"
 
 
 def metadata(numel: int, threads: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
