@@ -57,6 +57,8 @@ class ShardedState(SyncState):
     model.modules() order), each reduced to this rank's shard. Returned by gradsync.register()
     for an FSDP2 model; its stats(), state_dict() and load_state_dict() are SyncState's."""
 
+    group_noun = "fully_shard-ed module's gradient"
+
     def __init__(
         self, config: SyncConfig, comm: Comm, model: nn.Module, replicas: Comm | None = None
     ) -> None:
@@ -81,6 +83,7 @@ class ShardedState(SyncState):
         step = self._calls.get(group, self._resumed_at)
         self._calls[group] = step + 1
         self.step = max(self.step, step + 1)
+        self._say_if_nothing_compressed(step)
         with self._failures_named(f"group {group} at step {step}"):
             self._reduce_scatter(x, out, group, step, comm, average)
 
@@ -94,6 +97,7 @@ class ShardedState(SyncState):
             result = exchange.reduce_scatter(None, x, out, comm, average)
             self._record(result, x, group, step, strategy, None, started, reference_nbytes=reference)
             return
+        self._compressing = True
         point = self._point(group, x, step)
         self._follow_learning_rate(point, step)
         guard = not (

@@ -127,6 +127,7 @@ class SyncState:
     # Whether a run whose groups are all below min_compress_numel is warned about after warm-up
     # (DiLoCo says it of its fragments when it is built).
     says_nothing_compressed: ClassVar[bool] = True
+    group_noun: ClassVar[str] = "bucket"  # what a group is, in the user's terms
 
     def __init__(self, config: SyncConfig, comm: Comm | None = None, model: nn.Module | None = None) -> None:
         """`comm`: the ranks to average over. None binds the default process group at the first
@@ -182,7 +183,8 @@ class SyncState:
         self._initial_iterations = 2 if getattr(model, "static_graph", False) else 1
         self._ranks_agree = False  # set once every rank's config was compared
         self._compressing = False  # set (and logged) at the first compressed exchange
-        self._largest_small = 0  # the largest group left uncompressed for its size; -1 once said
+        self._largest_small = 0  # the largest group left uncompressed for its size
+        self._said_nothing_compressed = False
         self._momentum_checked = False  # momentum correction's beta against the optimizer's, once
         # Per parameter, what to add to its next gradient (the average's share) before it is
         # exchanged: error memories of a plan given up (plan="auto" hands over between plans).
@@ -492,8 +494,7 @@ class SyncState:
         if self.config.compressor == NO_COMPRESSION:
             return self._uncompressed
         if numel < self.config.min_compress_numel:
-            if self._largest_small >= 0:
-                self._largest_small = max(self._largest_small, numel)
+            self._largest_small = max(self._largest_small, numel)
             return self._uncompressed
         return self._compressor
 
@@ -635,20 +636,27 @@ class SyncState:
         step = self.step
         if is_last:
             self.step += 1
+        self._say_if_nothing_compressed(step)
+        return step
+
+    def _say_if_nothing_compressed(self, step: int) -> None:
+        """Warn once, as the first step after the first compressed one begins, where every group
+        of that step stayed below min_compress_numel: the one line on a small model compresses
+        nothing, and its user must hear why rather than find it in stats()."""
         if (
             step == self.config.warmup_steps + 1
             and self._largest_small > 0
             and not self._compressing
+            and not self._said_nothing_compressed
             and self.says_nothing_compressed
         ):
             log.warning(
-                "gradsync: nothing is compressed: the largest bucket, %d elements, is below "
+                "gradsync: nothing is compressed: the largest %s, %d elements, is below "
                 "min_compress_numel=%d (where compressing costs more than it saves); lower "
                 "SyncConfig(min_compress_numel=...) to compress smaller ones",
-                *(self._largest_small, self.config.min_compress_numel),
+                *(self.group_noun, self._largest_small, self.config.min_compress_numel),
             )
-            self._largest_small = -1  # said once
-        return step
+            self._said_nothing_compressed = True
 
     @contextlib.contextmanager
     def _failures_named(self, where: str, outcome: str = "") -> Iterator[None]:
