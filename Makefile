@@ -135,8 +135,11 @@ bench-kernels: $(STAMP)
 	$(BIN)/python -m gradsync bench kernels
 
 # The same on a GPU (2^26 elements: a clone of 2^24 takes tens of microseconds there); needs CUDA.
+# GPU names the results' folder: make bench-kernels-gpu GPU=a100.
+GPU ?= h200
 bench-kernels-gpu: $(STAMP)
-	$(BIN)/python -m gradsync bench kernels --device cuda --numel 67108864 --json docs/bench-kernels/h200/results.json
+	$(BIN)/python -m gradsync bench kernels --device cuda --numel 67108864 \
+		--json docs/bench-kernels/$(GPU)/results.json
 
 test: $(STAMP)
 	$(BIN)/ruff check gradsync tests

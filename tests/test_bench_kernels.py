@@ -179,6 +179,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys, monkeypatch):
         (["--threads", "0"], "--threads=0 must be >= 1"),
         (["--only", "fp16,nope"], "unknown label(s) ['nope']"),
         (["--device", "gpu"], "--device: device='gpu': the benchmark times on 'cpu' or 'cuda'"),
+        (["--device", "cuda:99"], "torch sees"),
         *(
             []
             if torch.cuda.is_available()
@@ -215,10 +216,19 @@ def test_the_table_names_the_gpu_a_run_timed_on(tmp_path):
     document = json.loads(path.read_text())
     assert "gpu" not in document["meta"] and " cores (" in kernels.table(document).splitlines()[-1]
     document["meta"]["gpu"] = "NVIDIA H200"
-    document["results"][0].update(seconds=0.000314, clone_seconds=0.0123)  # a GPU's and a CPU's
+    document["meta"]["dirty"] = None  # a copy of the tree, told its commit
+    document["results"][0].update(seconds=0.000314, clone_seconds=0.0123, encode_seconds=0.00123)
     rendered = kernels.table(document)
     assert "on one NVIDIA H200, torch" in rendered.splitlines()[-1]
-    assert "| fp16 | - | 0.314 | 12.3 |" in rendered  # a thousandth of a ms below one, else a tenth
+    assert "uncommitted changes not checked" in rendered.splitlines()[-1]
+    # Three significant figures from a thousandth of a ms up, a tenth from 10 ms on.
+    assert "| fp16 | - | 0.314 | 12.3 |" in rendered and "| 1.23 |" in rendered
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_timing_waits_for_the_kernels_not_their_launch():
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert kernels._seconds(lambda: torch.cuda._sleep(int(1e8)), device) > 0.01  # launched in microseconds
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -384,8 +384,9 @@ def test_a_copy_told_its_commit_records_it_and_no_claim_of_a_clean_tree(monkeypa
 
     monkeypatch.delenv("GRADSYNC_COMMIT", raising=False)
     head = report.provenance()["commit"]
-    monkeypatch.setenv("GRADSYNC_COMMIT", head)  # the commit git has: checked as ever
-    assert report.provenance()["commit"] == head and isinstance(report.provenance()["dirty"], bool)
+    for told in (head, head[:7]):  # the commit git has, or its abbreviation: checked as ever
+        monkeypatch.setenv("GRADSYNC_COMMIT", told)
+        assert report.provenance()["commit"] == head and isinstance(report.provenance()["dirty"], bool)
     monkeypatch.setenv("GRADSYNC_COMMIT", "f" * 40)  # a copy whose .git is older than its files
     made = report.provenance()
     assert made["commit"] == "f" * 40 and made["dirty"] is None

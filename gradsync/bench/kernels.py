@@ -149,8 +149,10 @@ def format_table(results: Sequence[KernelResult], threads: int) -> str:
 
 
 def _ms(seconds: float) -> str:
-    """Milliseconds to a tenth, or to a thousandth below one (a GPU's times)."""
-    return f"{1e3 * seconds:.1f}" if seconds >= 1e-3 else f"{1e3 * seconds:.3f}"
+    """Milliseconds to three significant figures from 0.001 up (a GPU's times are below one), to a
+    tenth from 10 on."""
+    ms = 1e3 * seconds
+    return f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3f}"
 
 
 def metadata(numel: int, threads: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
@@ -165,6 +167,8 @@ def metadata(numel: int, threads: int, repeats: int, device: str = "cpu") -> dic
 
 def table(document: dict[str, Any]) -> str:
     """The Markdown table of a results document as write_json stores it."""
+    from .report import tree_note
+
     results = [KernelResult(**r) for r in document["results"]]
     meta = document["meta"]
     where = (
@@ -174,7 +178,7 @@ def table(document: dict[str, Any]) -> str:
     )
     return format_table(results, threads=meta["threads"]) + (
         f"\n\nMedian of {meta['repeats']} calls each, on {where}, torch {meta['machine']['torch']}; "
-        f"commit {meta['commit'][:12]}, {meta['date']}."
+        f"commit {meta['commit'][:12]}{tree_note(meta.get('dirty', False))}, {meta['date']}."
     )
 
 
@@ -201,6 +205,11 @@ def timing_device(name: str) -> torch.device:
         raise ValueError(f"device={name!r}: the benchmark times on 'cpu' or 'cuda' (or 'cuda:N')")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r}: torch sees no CUDA GPU here; pass device='cpu'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device={name!r}: torch sees {torch.cuda.device_count()} GPU(s) here; pass 'cuda' or "
+            f"'cuda:N' with N below {torch.cuda.device_count()}"
+        )
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

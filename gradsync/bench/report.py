@@ -151,7 +151,12 @@ def provenance() -> dict[str, Any]:
     # by GRADSYNC_COMMIT; whether it had changes is then unknown (None).
     head = git("rev-parse", "HEAD").strip()
     told = os.environ.get("GRADSYNC_COMMIT", "")
-    known = bool(head) and told in ("", head)
+    known = bool(head) and head.startswith(told)  # "" and an abbreviated HEAD are HEAD
+    if told and not known:
+        print(
+            f"gradsync: recording commit {told} (GRADSYNC_COMMIT), not git's {head or 'none'}",
+            file=sys.stderr,
+        )
     return {
         "commit": head if known else told or "unknown",
         "dirty": bool(git("status", "--porcelain", "--", *_CODE).strip()) if known else None,
@@ -164,6 +169,14 @@ def provenance() -> dict[str, Any]:
         "command": " ".join(["gradsync", *sys.argv[1:]]) if sys.argv else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def tree_note(dirty: bool | None) -> str:
+    """What a caption says after the commit: the tree had changes, or is a copy whose changes
+    nobody checked (provenance's None), or nothing (clean)."""
+    if dirty is None:
+        return " (a copy of the tree: uncommitted changes not checked)"
+    return " (with uncommitted changes)" if dirty else ""
 
 
 def write(document: dict[str, Any], out_dir: str | Path) -> list[Path]:

@@ -272,7 +272,7 @@ def conditions(document: dict[str, Any]) -> str:
         f"Network: {network['description']}"
         f"{probe}. Machine: {meta['machine']['cores']} cores shared by all ranks (CPU work weighs "
         f"more than on real hosts), torch {meta['machine']['torch']}; commit {meta['commit'][:12]}"
-        f"{' (with uncommitted changes)' if meta['dirty'] else ''}, {meta['date']}.{_adopted(document)}"
+        f"{report.tree_note(meta['dirty'])}, {meta['date']}.{_adopted(document)}"
     )
 
 

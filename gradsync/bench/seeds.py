@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from .report import reference_name
+from .report import reference_name, tree_note
 
 # What must agree between the runs gathered: they differ in the seed and nothing else measured.
 # With until_flat, "steps" is where each seed's DDP went flat, and may differ.
@@ -166,8 +166,7 @@ def conditions(document: dict[str, Any]) -> str:
     steps = sorted({s["steps"] for s in meta["sources"]})
     commits = {s["commit"] for s in meta["sources"]}
     sources = "; ".join(
-        f"seed {s['seed']}: commit {s['commit'][:12]}{' with uncommitted changes' if s['dirty'] else ''}, "
-        f"{s['date']}"
+        f"seed {s['seed']}: commit {s['commit'][:12]}{tree_note(s['dirty'])}, {s['date']}"
         for s in meta["sources"]
     )
     return (
