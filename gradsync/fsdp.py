@@ -97,7 +97,7 @@ class ShardedState(SyncState):
             result = exchange.reduce_scatter(None, x, out, comm, average)
             self._record(result, x, group, step, strategy, None, started, reference_nbytes=reference)
             return
-        self._compressing = True
+        self._note_compressing(step, f"group {group}", strategy)
         point = self._point(group, x, step)
         self._follow_learning_rate(point, step)
         guard = not (

@@ -417,12 +417,7 @@ class SyncState:
                 return self._record(result, x, group, step, strategy, None, started, shown)
 
             return then(future, done, x.device)
-        if not self._compressing:
-            self._compressing = True
-            log.info(
-                "gradsync: compressing from step %d on, %s first: %s by %s",
-                *(step, _key(self.plan is not None, group), strategy.text, strategy.collective),
-            )
+        self._note_compressing(step, _key(self.plan is not None, group), strategy)
         point = self._point(group, x, step, params)
         self._follow_learning_rate(point, step)
         # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
@@ -639,8 +634,17 @@ class SyncState:
         self._say_if_nothing_compressed(step)
         return step
 
+    def _note_compressing(self, step: int, first: str, strategy: Strategy) -> None:
+        """Log, once, the step compression begins at and what is compressed first."""
+        if not self._compressing:
+            self._compressing = True
+            log.info(
+                "gradsync: compressing from step %d on, %s first: %s by %s",
+                *(step, first, strategy.text, strategy.collective),
+            )
+
     def _say_if_nothing_compressed(self, step: int) -> None:
-        """Warn once, as the first step after the first compressed one begins, where every group
+        """Warn once, as the step after the first one allowed to compress begins, where every group
         of that step stayed below min_compress_numel: the one line on a small model compresses
         nothing, and its user must hear why rather than find it in stats()."""
         if (

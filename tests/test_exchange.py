@@ -122,7 +122,7 @@ def test_two_shot_is_refused_for_a_codec_whose_random_stream_the_ranks_share() -
         exchange.start(build("randk"), torch.randn(100), Route(LocalComm()), "two-shot")
 
 
-def test_torchcomms_reduce_scatter_runs_on_torch_with_either_name(one_rank: None, monkeypatch) -> None:
+def test_torch_comm_reduce_scatter_runs_on_torch_with_either_name(one_rank: None, monkeypatch) -> None:
     # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single; the H200 machine's torch
     # 2.11 has only the old name, and every FSDP run there failed on the new one.
     import warnings

@@ -609,29 +609,3 @@ def test_a_model_too_small_to_compress_is_said_once_after_warm_up(caplog: pytest
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         run_steps(new_state(compressor="int4", min_compress_numel=1500), gradients(WARMUP + 3))
     assert not [r for r in caplog.records if "nothing is compressed" in r.getMessage()]
-
-
-@pytest.mark.parametrize("min_compress_numel", [2500, 1500])
-def test_an_fsdp_model_too_small_to_compress_is_said_once_too(
-    caplog: pytest.LogCaptureFixture, min_compress_numel: int
-) -> None:
-    # FSDP's reduce-scatter never passes through the DDP hook's step counting, and said nothing.
-    from gradsync.fsdp import ShardedState
-
-    config = SyncConfig(compressor="int4", warmup_steps=2, min_compress_numel=min_compress_numel)
-    state, comm = ShardedState(config, LocalComm(), torch.nn.Linear(40, 50)), LocalComm()
-    generator = torch.Generator().manual_seed(0)
-    with caplog.at_level(logging.WARNING, logger="gradsync"):
-        for _ in range(5):
-            for group, numel in ((0, 2000), (1, 1000)):
-                x = torch.randn(numel, generator=generator)
-                state.reduce_scatter(x, torch.empty(numel), group, comm, True)
-    said = [r.getMessage() for r in caplog.records if "nothing is compressed" in r.getMessage()]
-    if min_compress_numel > 2000:
-        assert said == [
-            "gradsync: nothing is compressed: the largest fully_shard-ed module's gradient, 2000 "
-            "elements, is below min_compress_numel=2500 (where compressing costs more than it saves); "
-            "lower SyncConfig(min_compress_numel=...) to compress smaller ones"
-        ]
-    else:  # group 0 is compressed from step 2 on
-        assert said == [] and state.stats()["total"]["compressed_groups"] == 3
