@@ -92,6 +92,12 @@ class LearningRate:
         """Whether an optimizer over the model's parameters has been seen (now() looks for one)."""
         return bool(self._optimizers) or self._mixed is not None
 
+    @property
+    def other_optimizer(self) -> str | None:
+        """The class name of an optimizer other than SGD seen stepping some of the model's
+        parameters (None where only SGD has)."""
+        return self._mixed
+
     def sgd_momenta(self) -> set[tuple[float, float, bool]]:
         """(momentum, dampening, nesterov) of each SGD param group over the model's parameters,
         among the optimizers seen stepping so far (empty before any has)."""

@@ -727,15 +727,19 @@ class SyncState:
 
     def _check_momentum(self, momentum: float) -> None:
         """Momentum correction hands SGD D - beta * D_prev, which its buffer turns back into D only
-        where SGD's momentum is beta, without dampening or Nesterov: say where it is not (a
-        wrong momentum steps silently otherwise)."""
+        where SGD's momentum is beta, without dampening or Nesterov: say where it is not, or where
+        another optimizer (Adam) steps the model (it would step silently by another rule)."""
         assert self._learning_rate is not None
         if momentum == 0:  # residual feedback, whatever the optimizer does with the average
             return
         wanted = (momentum, 0.0, False)
         found = self._learning_rate.sgd_momenta() - {wanted}
-        if found:
-            shown = ", ".join(f"SGD(momentum={m}, dampening={d}, nesterov={n})" for m, d, n in sorted(found))
+        other = self._learning_rate.other_optimizer  # Adam's moments do not undo it either
+        if found or other is not None:
+            shown = ", ".join(
+                [f"SGD(momentum={m}, dampening={d}, nesterov={n})" for m, d, n in sorted(found)]
+                + ([other] if other is not None else [])
+            )
             log.warning(
                 "gradsync: error_feedback='momentum' corrects for SGD(momentum=%s, dampening=0, "
                 "nesterov=False), but the model is stepped by %s: the update is not the one momentum "

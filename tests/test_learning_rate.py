@@ -136,7 +136,23 @@ def test_momentum_correction_under_another_sgd_momentum_is_warned_once(
     # It hands SGD D - beta * D_prev: only SGD(momentum=beta) without dampening or Nesterov turns
     # that back into D; any other steps the model silently by another rule.
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, **sgd)
+    said = _momentum_warnings(model, torch.optim.SGD(model.parameters(), lr=0.1, **sgd), beta, caplog)
+    assert len(said) == (1 if warned else 0)
+    if warned:
+        assert f"stepped by SGD(momentum={sgd['momentum']}" in said[0]
+
+
+def test_momentum_correction_under_adam_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
+    # Adam keeps its own moments of what it is handed: D - beta * D_prev is not D to it either.
+    model = _model()
+    said = _momentum_warnings(model, torch.optim.Adam(model.parameters(), lr=0.01), 0.9, caplog)
+    assert len(said) == 1 and "but the model is stepped by Adam:" in said[0]
+
+
+def _momentum_warnings(
+    model: nn.Module, optimizer: torch.optim.Optimizer, beta: float, caplog: pytest.LogCaptureFixture
+) -> list[str]:
+    """The momentum-correction warnings of training `model` by `optimizer` past warm-up."""
     state = _state(
         model,
         error_feedback="momentum",
@@ -152,10 +168,7 @@ def test_momentum_correction_under_another_sgd_momentum_is_warned_once(
             for p, part in zip(params, average.split([p.numel() for p in params]), strict=True):
                 p.grad = part.view_as(p).clone()
             optimizer.step()
-    said = [r.getMessage() for r in caplog.records if "error_feedback='momentum' corrects" in r.getMessage()]
-    assert len(said) == (1 if warned else 0)
-    if warned:
-        assert f"stepped by SGD(momentum={sgd['momentum']}" in said[0]
+    return [r.getMessage() for r in caplog.records if "error_feedback='momentum' corrects" in r.getMessage()]
 
 
 def test_a_constant_rate_leaves_memories_in_gradient_units() -> None:
