@@ -39,8 +39,10 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers).cuda()
 
 
-def _train(model: nn.Module, rank: int, steps: int = STEPS) -> torch.Tensor:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def _train(
+    model: nn.Module, rank: int, steps: int = STEPS, opt: torch.optim.Optimizer | None = None
+) -> torch.Tensor:
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator(device="cuda").manual_seed(1 + rank)
     for _ in range(steps):
         x = torch.randn(32, 256, device="cuda", generator=g)
@@ -223,16 +225,8 @@ def _diloco_on_gpu(rank: int, world_size: int) -> dict[str, Any]:
         model = _mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         outer = gradsync.DiLoCo(model, optimizer, **options)
-        g = torch.Generator(device="cuda").manual_seed(1 + rank)
-        for _ in range(STEPS):
-            x = torch.randn(32, 256, device="cuda", generator=g)
-            y = torch.randint(0, 10, (32,), device="cuda", generator=g)
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
+        out[name] = _train(model, rank, opt=optimizer)
         outer.close()
-        torch.cuda.synchronize()
-        out[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         out[f"{name} syncs"] = outer.stats()["step"]
     return out
 
