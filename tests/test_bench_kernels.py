@@ -180,6 +180,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys, monkeypatch):
         (["--only", "fp16,nope"], "unknown label(s) ['nope']"),
         (["--device", "gpu"], "--device: device='gpu': the benchmark times on 'cpu' or 'cuda'"),
         (["--device", "cuda:99"], "torch sees"),
+        (["--device", "meta"], "--device: device='meta': the benchmark times on 'cpu' or 'cuda'"),
         *(
             []
             if torch.cuda.is_available()
@@ -232,9 +233,25 @@ def test_a_gpu_timing_waits_for_the_kernels_not_their_launch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_gpu_run_times_the_same_payloads_on_the_gpu():
+def test_a_gpu_run_times_the_same_payloads_on_the_gpu(monkeypatch):
     on_cpu = kernels.run(numel=NUMEL, repeats=1, labels=["fp16", "int4", "topk"])
     on_gpu = kernels.run(numel=NUMEL, repeats=1, labels=["fp16", "int4", "topk"], device="cuda")
     assert [r.bits_per_element for r in on_gpu] == [r.bits_per_element for r in on_cpu]
+    timed_on = []
+    time_variant = kernels._time_variant
+    monkeypatch.setattr(
+        kernels, "_time_variant", lambda v, x, *a: timed_on.append(x.device.type) or time_variant(v, x, *a)
+    )
+    kernels.run(numel=NUMEL, repeats=1, labels=["fp16"], device="cuda")
+    assert timed_on == ["cuda"]  # the tensor itself went to the GPU, not just the caption
     assert all(r.seconds > 0 and r.clone_seconds > 0 for r in on_gpu)
     assert kernels.metadata(NUMEL, 1, 1, "cuda")["gpu"] == torch.cuda.get_device_name()
+
+
+def test_a_caption_says_each_state_of_the_tree_and_times_keep_their_figures_at_the_bounds():
+    from gradsync.bench import report
+
+    assert report.tree_note(False) == ""
+    assert report.tree_note(True) == " (with uncommitted changes)"
+    assert report.tree_note(None) == " (a copy of the tree: uncommitted changes not checked)"
+    assert (kernels._ms(0.010), kernels._ms(0.001), kernels._ms(0.0009994)) == ("10.0", "1.00", "0.999")

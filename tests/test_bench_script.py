@@ -186,3 +186,15 @@ def test_the_commit_recorded_is_the_one_the_runs_imported(monkeypatch: pytest.Mo
     options = script.ScriptOptions(syncs=("ddp", "gradsync"), steps=20, repeats=1)
     doc = script.run(options, loopback(), say=lambda _: None)
     assert doc["meta"]["commit"] == f"{0:040d}"
+
+
+def test_the_caption_says_a_copy_of_the_tree_was_not_checked_for_changes() -> None:
+    options = script.ScriptOptions(steps=STEPS)
+    raw = {"ddp": [[1.0] * STEPS] * 2, "gradsync": [[0.5] * STEPS] * 2}
+    for dirty, said in (
+        (None, " (a copy of the tree: uncommitted changes not checked), today."),
+        (True, " (with uncommitted changes), today."),
+        (False, "0" * 12 + ", today."),
+    ):
+        doc = script.summarize(raw, {**table_meta(options), "dirty": dirty}, options)
+        assert said in script.conditions(doc), dirty

@@ -205,3 +205,13 @@ def test_the_command_refuses_a_file_that_is_not_a_bench_train_result(tmp_path, c
         f"{other}: not the results.json of a `gradsync bench train` run (no meta)" in capsys.readouterr().err
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_each_seeds_source_says_the_state_of_its_tree() -> None:
+    documents = three_seeds()
+    documents[1]["meta"]["dirty"] = None  # a copy told its commit
+    documents[2]["meta"]["dirty"] = True
+    text = seeds.table(seeds.gather(documents))
+    assert "seed 0: commit 000000000000, 2026" in text
+    assert "seed 1: commit 000000000000 (a copy of the tree: uncommitted changes not checked), 2026" in text
+    assert "seed 2: commit 000000000000 (with uncommitted changes), 2026" in text

@@ -22,7 +22,7 @@ def test_an_fsdp_model_too_small_to_compress_is_said_once_too(
     config = SyncConfig(compressor="int4", warmup_steps=2, min_compress_numel=min_compress_numel)
     state, comm = ShardedState(config, LocalComm(), torch.nn.Linear(40, 50)), LocalComm()
     generator = torch.Generator().manual_seed(0)
-    with caplog.at_level(logging.WARNING, logger="gradsync"):
+    with caplog.at_level(logging.INFO, logger="gradsync"):
         for _ in range(5):
             for group, numel in ((0, 2000), (1, 1000)):
                 x = torch.randn(numel, generator=generator)
@@ -36,6 +36,8 @@ def test_an_fsdp_model_too_small_to_compress_is_said_once_too(
         ]
     else:  # group 0 is compressed from step 2 on
         assert said == [] and state.stats()["total"]["compressed_groups"] == 3
+        started = [r.getMessage() for r in caplog.records if "compressing from step" in r.getMessage()]
+        assert started == ["gradsync: compressing from step 2 on, group 0 first: int4 by two-shot"]
 
 
 @pytest.mark.parametrize("attribute", ["_fsdp_param_groups", "_fsdp_param_group"])

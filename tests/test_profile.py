@@ -377,7 +377,7 @@ def test_a_benchmarks_provenance_names_the_cpu_and_its_speeds():
     assert "cpu_model" in made
 
 
-def test_a_copy_told_its_commit_records_it_and_no_claim_of_a_clean_tree(monkeypatch):
+def test_a_copy_told_its_commit_records_it_and_no_claim_of_a_clean_tree(monkeypatch, capsys):
     import subprocess
 
     from gradsync.bench import report
@@ -388,8 +388,14 @@ def test_a_copy_told_its_commit_records_it_and_no_claim_of_a_clean_tree(monkeypa
         monkeypatch.setenv("GRADSYNC_COMMIT", told)
         assert report.provenance()["commit"] == head and isinstance(report.provenance()["dirty"], bool)
     monkeypatch.setenv("GRADSYNC_COMMIT", "f" * 40)  # a copy whose .git is older than its files
+    capsys.readouterr()
     made = report.provenance()
     assert made["commit"] == "f" * 40 and made["dirty"] is None
+    assert f"recording commit {'f' * 40} (GRADSYNC_COMMIT), not git's {head}" in capsys.readouterr().err
+    monkeypatch.setenv("GRADSYNC_COMMIT", head[:7])
+    report.provenance()
+    assert "GRADSYNC_COMMIT" not in capsys.readouterr().err  # HEAD abbreviated is no override
+    monkeypatch.setenv("GRADSYNC_COMMIT", "f" * 40)
 
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")

@@ -220,6 +220,7 @@ def _diloco_on_gpu(rank: int, world_size: int) -> dict[str, Any]:
     out["plain"] = _train(plain, rank)
     for name, options in (
         ("local sgd", {"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}),
+        ("half outer steps", {"sync_every": 2, "outer_lr": 0.5, "outer_momentum": 0.0}),
         ("streaming int4", {"sync_every": 2, "compressor": "int4", "fragments": 2, "delay": 1}),
     ):
         model = _mlp()
@@ -235,5 +236,8 @@ def test_diloco_on_one_gpu_by_nccl() -> None:
     got = run_ranks(_diloco_on_gpu, 1, backend="nccl", timeout_s=120)[0]
     # A world of one under Local SGD (H = 1, outer step 1, no momentum) is plain training.
     assert torch.allclose(got["local sgd"], got["plain"], atol=1e-6)
+    # ... which a DiLoCo doing nothing would match too: half an outer step every 2nd step must not.
+    moved = float((got["half outer steps"] - got["plain"]).norm() / got["plain"].norm())
+    assert torch.isfinite(got["half outer steps"]).all() and moved > 1e-4, moved
     assert torch.isfinite(got["streaming int4"]).all()
     assert got["streaming int4 syncs"] == STEPS  # 2 fragments, each synced every 2nd step
