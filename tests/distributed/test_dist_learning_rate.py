@@ -14,6 +14,7 @@ import pytest
 import torch
 from dist_harness import run_ranks
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from gradsync import SyncConfig, SyncState
 from gradsync.comm import TorchComm
@@ -122,6 +123,10 @@ def _train_sharded(rank: int, world: int) -> dict:
     return {"applied": applied, "rates": rates, "held_at": point.rates, "error": error}
 
 
+@pytest.mark.skipif(
+    not hasattr(FSDPModule, "set_custom_reduce_scatter"),
+    reason=f"torch {torch.__version__} has no FSDPModule.set_custom_reduce_scatter: no FSDP path",
+)
 def test_nothing_is_lost_in_parameter_units_under_fsdp() -> None:
     runs = run_ranks(_train_sharded, WORLD, timeout_s=120)
     rates = runs[0]["rates"]
