@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .. import compress
+from ..profile.timeline import synchronize
 
 Variant = tuple[str, str, dict[str, Any]]  # (label, compressor name, constructor args)
 
@@ -281,12 +282,10 @@ def _encode_as_the_hook_does(codec: compress.Compressor, x: torch.Tensor) -> Cal
 
 def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
     """Wall time of `fn`; on a GPU, of its kernels too (a launch returns before they run)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
