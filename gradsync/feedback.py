@@ -17,12 +17,15 @@ it), `remove_local_(t)` subtracts it from t in place and returns t (sparse codec
 a dense temporary), and `total` the decoded sum over ranks, bit-identical on every rank.
 `update` changes the memory and returns the gradient to apply; it may overwrite `p`, and a form
 that declares reads_gradient False may find `g` overwritten by then (the hook decodes the sum
-into it). The caller calls `update` only for steps whose gradients were finite on every rank,
-so non-finite values never enter a memory; a point's steps run one after the other.
+into it). The caller calls `update` only for steps whose compressed tensors were finite on every
+rank (p, the memory included, not only g: in fp16 a finite g plus its memory can overflow), so
+non-finite values never enter a memory, but for EF21's and EControl's estimates, sums that can
+overflow in `update` itself: there the rank raises (_check_estimates). A point's steps run one
+after the other.
 
-`prepare` (and `defer`) may be given a non-finite `g` (where the codec's payload shows it, the
-hook does not look first: Compressor.reveals_nonfinite), so it must leave every memory
-untouched: it writes only spares, and `update` alone changes state. `prepare` returns `g` itself
+`prepare` (and `defer`) may be given a non-finite `g` (the hook checks what prepare returns, or
+leaves that to a codec whose payload shows it: Compressor.reveals_nonfinite), so it must leave
+every memory untouched: it writes only spares, and `update` alone changes state. `prepare` returns `g` itself
 or a tensor that shares no memory with `g`. It divides by the world size n where that costs
 nothing extra: residual feedback writes e + g / n straight into its spare
 buffer and leaves `g` alone; the others divide `g` in place first (they read it in update).
@@ -221,8 +224,9 @@ class EF21(Feedback):
         total: torch.Tensor,
         remove_local_: RemoveLocal | None = None,
     ) -> torch.Tensor:
-        self._memory("h_local", g).add_(local())
+        h_local = self._memory("h_local", g).add_(local())
         h_mean = self._memory("h_mean", g).add_(total)
+        _check_estimates(self, h_local=h_local, h_mean=h_mean)
         return h_mean.clone()  # the caller may hand the result to DDP, which can alias it
 
 
@@ -264,6 +268,7 @@ class EControl(Feedback):
         self.error = self._memory("error", g) + (g - h_local) - delta
         h_local.add_(delta)
         h_mean = self._memory("h_mean", g).add_(total)
+        _check_estimates(self, error=self.error, h_local=h_local, h_mean=h_mean)
         return h_mean.clone()
 
 
@@ -342,6 +347,21 @@ def names() -> list[str]:
 def build(name: str, **params: Any) -> Feedback:
     """Construct the error-feedback form registered as `name` (errors as compress.build)."""
     return registry.construct(REGISTRY, "error_feedback", name, params)
+
+
+def _check_estimates(form: Feedback, **memories: torch.Tensor) -> None:
+    """FloatingPointError where a memory updated from a finite step is not finite: EF21's and
+    EControl's estimates of the gradient are sums, which can pass a narrow dtype's range (fp16's
+    65504) where the gradient did not. An inf kept there would make every later step non-finite
+    (under a GradScaler, every step skipped), so the rank stops and says so instead."""
+    for name, memory in memories.items():
+        if not bool(torch.isfinite(memory).all()):
+            raise FloatingPointError(
+                f"gradsync: {type(form).__name__}'s memory {name!r} ({memory.dtype}) is no longer "
+                "finite: its estimate of the gradient passed the dtype's range. Keep the "
+                "gradients in float32 or bfloat16 (autocast trains an fp16 model with float32 "
+                "gradients), or use error_feedback='ef', whose memory is checked before it is sent."
+            )
 
 
 def _spare_like(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -103,8 +103,10 @@ class ShardedState(SyncState):
         guard = not (
             type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
         )
-        finite = not guard or is_finite(x)
-        p = point.feedback.prepare(x, 1) if finite else x
+        # p is checked, not x: prepare writes spares only, and a memory added to a finite x can
+        # pass the dtype's range where x did not (SyncState._sync_group checks the same).
+        p = point.feedback.prepare(x, 1)
+        finite = not guard or is_finite(p)
         result = exchange.reduce_scatter(point.codec, p, out, comm, average, finite, agree=guard)
         if guard and self.replica_state is not None:  # HSDP: the other replicas' shards too
             result.finite = self._replicas_agree(result.finite, x.device)

@@ -426,7 +426,7 @@ class SyncState:
             type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
         )
         # Where the payload shows a non-finite input by itself, the exchange's check finds it.
-        finite = not guard or type(point.codec).reveals_nonfinite or is_finite(x)
+        reveals = not guard or type(point.codec).reveals_nonfinite
         # Whether a plan given up carries anything into this group: its own parameters decide, so
         # that a step's put-back (_keep_carried, from another group's callback, whenever it runs
         # on this rank) never changes how this step's other groups are encoded.
@@ -437,15 +437,21 @@ class SyncState:
         # in one pass, not two).
         divisor = comm.world_size if type(point.feedback) is feedback.NoFeedback and not carries else 1
         # Residual feedback's add, the encode and the residual in one pass, where the codec can
-        # (int8, int4 by two-shot): p is computed as it is encoded.
-        fuse = strategy.collective == "two-shot" and type(point.codec).fuses_feedback and not carries
-        deferred = point.feedback.defer(x, comm.world_size) if finite and fuse else None
+        # (int8, int4 by two-shot): p is computed as it is encoded, so only a payload that shows a
+        # non-finite p can tell of one.
+        fuses = type(point.codec).fuses_feedback and reveals
+        fuse = strategy.collective == "two-shot" and fuses and not carries
+        deferred = point.feedback.defer(x, comm.world_size) if fuse else None
         carried: dict[int, torch.Tensor] = {}  # what a plan given up carries into this step
         if deferred is not None:  # nothing carried (fuse), and p not yet written
             p, corrected = deferred
-        else:
-            p, corrected = point.feedback.prepare(x, comm.world_size) if finite and divisor == 1 else x, None
+        else:  # prepare writes spares only: the memories stay untouched until update
+            p, corrected = point.feedback.prepare(x, comm.world_size) if divisor == 1 else x, None
             carried = self._add_carried(p, params)
+        # What is compressed is checked, not the gradient: a memory added to a finite gradient can
+        # pass a narrow dtype's range (fp16's 65504), and a payload that hides it (natural
+        # compression saturates) would leave an inf in the memory, and every later step skipped.
+        finite = reveals or is_finite(p)
         # The sum is decoded into `x`, as PyTorch's own hooks return the bucket they were given (a
         # fresh full-size tensor costs as much in page faults as a copy), wherever nothing reads `x`
         # afterwards: what was compressed is another tensor, or its decode is not needed again.

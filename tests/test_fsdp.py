@@ -50,3 +50,19 @@ def test_a_divide_factor_is_found_where_either_torch_keeps_it(attribute: str) ->
     assert _divide_factors(module) == {2.0}
     unset = SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(_fsdp_param_group=None))
     assert _divide_factors(unset) == set()
+
+
+def test_a_memory_that_overflows_with_a_finite_gradient_skips_the_step_and_stays_finite() -> None:
+    # 3e38 is finite in float32 (whose largest value is 3.4e38); natural compression sends it as
+    # 2^127 and keeps 1.3e38 in the memory, which the next 3e38 takes past the range. Its payload
+    # saturates and would hide that inf: the compressed tensor is checked, not the gradient.
+    config = SyncConfig(compressor="natural", error_feedback="ef", warmup_steps=0, min_compress_numel=0)
+    state, comm = ShardedState(config, LocalComm(), torch.nn.Linear(4, 4)), LocalComm()
+    outs = []
+    for _ in range(2):
+        out = torch.empty(20)
+        state.reduce_scatter(torch.full((20,), 3e38), out, 0, comm, True)
+        outs.append(out)
+    assert bool(torch.isfinite(outs[0]).all()) and bool(torch.isnan(outs[1]).all())
+    memory = state.points[0].feedback.error
+    assert memory is not None and bool(torch.isfinite(memory).all())
