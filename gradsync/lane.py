@@ -20,6 +20,8 @@ from torch.futures import Future
 
 from .comm import CollectiveError, forward, let_go_of_groups
 
+_IDLE_S = 60.0  # how long the lane's thread waits for a program before it ends
+
 
 class Lane:
     """Issues a SyncState's exchanges in the order they were asked for, on every rank alike.
@@ -114,9 +116,9 @@ class Lane:
             with self._changed:
                 self._changed.wait_for(
                     lambda: (self._queue and not self._busy) or (self._stopping and not self._queue),
-                    timeout=60.0,
+                    timeout=_IDLE_S,
                 )
-                if not self._queue:  # idle for a minute, or stopped: a later program starts a new one
+                if not self._queue:  # idle for a while, or stopped: a later program starts a new one
                     self._thread = None
                     return
                 if self._busy:

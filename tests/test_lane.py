@@ -149,3 +149,63 @@ def test_parts_end_to_end_in_one_buffer_are_sent_from_it_and_others_are_concaten
         joined = _end_to_end(parts)
         assert torch.equal(joined, torch.cat(parts))
         assert joined.data_ptr() != buffer.data_ptr()
+
+
+@pytest.mark.parametrize("idle_s", [60.0, 0.001], ids=["stopped", "idling-out"])
+def test_a_thread_ending_while_programs_are_asked_for_loses_none_and_never_runs_two(
+    monkeypatch: pytest.MonkeyPatch, idle_s: float
+) -> None:
+    # The lane's thread ends when stopped or after idling, while the hook may be asking for the
+    # next program: a program must then start a new thread or be served by the old one, never be
+    # left queued, run twice, out of order, or beside another.
+    monkeypatch.setattr("gradsync.lane._IDLE_S", idle_s)
+    serve = Lane._serve
+
+    def serve_then_linger(self: Lane) -> None:  # the thread has given up, and is still alive
+        serve(self)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(Lane, "_serve", serve_then_linger)
+    lane, issued, running, overlaps = Lane(), [], [0], []
+    lock = threading.Lock()
+
+    def program(label: int):
+        def run() -> Future:
+            with lock:
+                running[0] += 1
+                overlaps.append(running[0] > 1)
+            time.sleep(0.0002 * (label % 3))
+            issued.append(label)
+            with lock:
+                running[0] -= 1
+            return completed(torch.tensor(label))
+
+        return run
+
+    stopping = threading.Event()
+
+    def stop_again_and_again() -> None:
+        while not stopping.is_set():
+            lane.stop(timeout_s=1.0)
+
+    stopper = threading.Thread(target=stop_again_and_again, daemon=True)
+    if idle_s > 1:
+        stopper.start()
+    futures = []
+    for label in range(300):
+        futures.append(lane.run(program(label), blocking=label % 4 != 0))
+        if label % 10 == 9:
+            deadline = time.monotonic() + 10  # not drain(): a program left queued would hang it
+            while not futures[-1].done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if not futures[-1].done():
+                break
+            time.sleep(0.005)  # long enough for an idle thread to give up, too short for it to end
+    stopping.set()
+    assert all(f.done() for f in futures), "a program was left queued with no thread to serve it"
+    if stopper.is_alive():
+        stopper.join(timeout=10)
+    assert issued == list(range(300))
+    assert [int(f.value()) for f in futures] == list(range(300))
+    assert not any(overlaps)
+    lane.stop()
