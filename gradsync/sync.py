@@ -179,8 +179,10 @@ class SyncState:
         # (a step of this process, its buckets synced in place as laid out in `layout`)
         self._in_place: tuple[int, set[int]] = (-1, set())
         self._local_steps = 0  # steps this process's hook has seen: DDP rebuilds buckets after one
-        # ... or after two with static_graph=True (its first iteration traces the graph)
-        self._initial_iterations = 2 if getattr(model, "static_graph", False) else 1
+        # ... or after two with static_graph=True (its first iteration traces the graph). A state
+        # made without the model (register_comm_hook) cannot tell, so it waits for two: a point
+        # made on DDP's second iteration would not fit the buckets rebuilt after it.
+        self._initial_iterations = 1 if model is not None and not getattr(model, "static_graph", False) else 2
         self._ranks_agree = False  # set once every rank's config was compared
         self._compressing = False  # set (and logged) at the first compressed exchange
         self._largest_small = 0  # the largest group left uncompressed for its size

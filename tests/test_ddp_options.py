@@ -162,6 +162,31 @@ def test_a_plan_on_a_state_made_without_the_model_is_refused_by_name(one_rank: N
         nn.functional.cross_entropy(ddp(x), y).backward()
 
 
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+def test_a_state_made_without_the_model_waits_for_static_graphs_rebuilt_buckets(
+    one_rank: None, warmup_steps: int
+) -> None:
+    # register() refuses a warm-up shorter than DDP's initial iterations, but a state installed by
+    # register_comm_hook (a framework's ddp_comm_state) cannot see static_graph=True, under which
+    # DDP rebuilds its buckets after its second iteration: it must not compress on the first
+    # layout and then meet the rebuilt one ("the layout changed").
+    runs = []
+    for static in (True, False):
+        ddp = DistributedDataParallel(Used(), bucket_cap_mb=0.002, static_graph=static)
+        state = gradsync.SyncState(SyncConfig(warmup_steps=warmup_steps, min_compress_numel=0))
+        ddp.register_comm_hook(state, gradsync.hook)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(5):
+            optimizer.zero_grad()
+            x, y = batch(step)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+        assert state.step == 5 and state.stats()["total"]["compressed_groups"] > 0
+        runs.append([p.detach().clone() for p in ddp.parameters()])
+    # Both compress DDP's rebuilt buckets from their third step on: the same bits.
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 class Tower(nn.Module):
     """A last layer larger than any bucket cap here (its own bucket), then three small ones:
     bucket_cap_mb 0.02 buckets them [(7, 6), (5, 4, 3, 2), (1, 0)], 0.04 [(7, 6), (5, 4, 3, 2, 1, 0)]."""
