@@ -44,7 +44,7 @@ from .comm import Comm, LocalComm, TorchComm, allgather_object
 from .compress import PAST_WARMUP
 from .compress.base import check_int, check_real
 from .config import NO_COMPRESSION, SyncConfig
-from .sync import SyncState, collective_device, describe_differences
+from .sync import SyncState, collective_device, describe_differences, warn_nothing_compressed
 
 log = logging.getLogger("gradsync")
 
@@ -179,11 +179,8 @@ class DiLoCo:
         self._fragments = cut(sizes, fragments, sync_every)
         largest = max(f.numel for f in self._fragments)
         if config.compressor != NO_COMPRESSION and largest < config.min_compress_numel:
-            log.warning(
-                "gradsync DiLoCo: nothing is compressed: the largest fragment, %d elements, is below "
-                "%d (where compressing costs more than it saves); fewer fragments make larger ones",
-                *(largest, config.min_compress_numel),
-            )
+            fix = "fewer fragments make larger ones"
+            warn_nothing_compressed("gradsync DiLoCo", "fragment", largest, config, fix)
         # The global parameters, one flat tensor per fragment, in fp32 at least: a bf16 model's
         # outer gradient and momentum would lose what inner steps add. The outer optimizer steps a
         # fragment's tensor alone (the others have no gradient then).

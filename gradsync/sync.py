@@ -662,12 +662,8 @@ class SyncState:
             and not self._said_nothing_compressed
             and self.says_nothing_compressed
         ):
-            log.warning(
-                "gradsync: nothing is compressed: the largest %s, %d elements, is below "
-                "min_compress_numel=%d (where compressing costs more than it saves); lower "
-                "SyncConfig(min_compress_numel=...) to compress smaller ones",
-                *(self.group_noun, self._largest_small, self.config.min_compress_numel),
-            )
+            fix = "lower SyncConfig(min_compress_numel=...) to compress smaller ones"
+            warn_nothing_compressed("gradsync", self.group_noun, self._largest_small, self.config, fix)
             self._said_nothing_compressed = True
 
     @contextlib.contextmanager
@@ -970,6 +966,16 @@ def _global_rank(comm: Comm) -> int:
     """This process's rank in the default group, which names it in every group; the comm's own
     rank in a world without one (LocalComm)."""
     return dist.get_rank() if dist.is_initialized() else comm.rank
+
+
+def warn_nothing_compressed(who: str, noun: str, largest: int, config: SyncConfig, fix: str) -> None:
+    """The one warning, worded alike wherever it is given, that every group of a run (its largest
+    `noun` of `largest` elements) stays below config.min_compress_numel."""
+    log.warning(
+        "%s: nothing is compressed: the largest %s, %d elements, is below min_compress_numel=%d "
+        "(where compressing costs more than it saves); %s",
+        *(who, noun, largest, config.min_compress_numel, fix),
+    )
 
 
 def is_finite(t: torch.Tensor) -> bool:

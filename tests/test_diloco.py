@@ -74,8 +74,9 @@ def test_fragments_too_small_to_compress_are_said_when_diloco_is_built(
             outer.close()
     said = [r.getMessage() for r in caplog.records if "nothing is compressed" in r.getMessage()]
     assert said == [
-        "gradsync DiLoCo: nothing is compressed: the largest fragment, 13313 elements, is below 16384 "
-        "(where compressing costs more than it saves); fewer fragments make larger ones"
+        "gradsync DiLoCo: nothing is compressed: the largest fragment, 13313 elements, is below "
+        "min_compress_numel=16384 (where compressing costs more than it saves); fewer fragments "
+        "make larger ones"
     ]
 
 
