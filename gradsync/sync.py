@@ -127,6 +127,7 @@ class SyncState:
     # Whether a run whose groups are all below min_compress_numel is warned about after warm-up
     # (DiLoCo says it of its fragments when it is built).
     says_nothing_compressed: ClassVar[bool] = True
+    says_compressing: ClassVar[bool] = True  # whether the first compressed exchange is logged
     group_noun: ClassVar[str] = "bucket"  # what a group is, in the user's terms
 
     def __init__(self, config: SyncConfig, comm: Comm | None = None, model: nn.Module | None = None) -> None:
@@ -646,6 +647,8 @@ class SyncState:
         """Log, once, the step compression begins at and what is compressed first."""
         if not self._compressing:
             self._compressing = True
+            if not self.says_compressing:
+                return
             log.info(
                 "gradsync: compressing from step %d on, %s first: %s by %s",
                 *(step, first, strategy.text, strategy.collective),

@@ -171,8 +171,7 @@ def measure_hook(
                 "sends uncompressed; time sizes at least that large"
             )
         comm = _IssueClock(clock)
-        state = SyncState(config, comm)
-        state._compressing = True  # a timing: only the run's own states log "compressing from step"
+        state = _TimedState(config, comm)
         x = torch.randn(numel, generator=generator).to(device)
         times: dict[str, list[float]] = {phase: [] for phase in HOOK_PHASES}
         for step in range(config.warmup_steps + 1 + repeats):  # + 1: a warm-up compressed step
@@ -191,6 +190,12 @@ def measure_hook(
                 raise ValueError(f"{config.compressor} sent nothing at {numel} elements: nothing to time")
             seconds[phase].append(statistics.median(times[phase]))
     return seconds
+
+
+class _TimedState(SyncState):
+    """A state that times the hook: only the run's own states log "compressing from step"."""
+
+    says_compressing = False
 
 
 class _IssueClock:
