@@ -72,7 +72,7 @@ class ShardedState(SyncState):
         # HSDP: each group's shard averaged across replicas, a DDP bucket's path over `replicas`
         # (its own stats(); its memories are checkpointed with this state's). Given the model, its
         # memories follow the learning rate of an SGD over it, as the shard's do.
-        self.replica_state = SyncState(config, replicas, model) if replicas is not None else None
+        self.replica_state = _ReplicaState(config, replicas, model) if replicas is not None else None
 
     def reduce_scatter(
         self, x: torch.Tensor, out: torch.Tensor, group: int, comm: Comm, average: bool
@@ -137,6 +137,9 @@ class ShardedState(SyncState):
         self._replica_calls[group] = step + 1
         self.step = max(self.step, step + 1)
         replicas.step = max(replicas.step, step + 1)
+        # Said here too: FSDP runs no reduce-scatter on a one-rank shard group, so a model too
+        # small to compress would otherwise go unsaid there.
+        replicas._say_if_nothing_compressed(step)
         with replicas._failures_named(f"group {group}'s replica all-reduce at step {step}"):
             future = replicas._sync_group(shard, group, step, True, None)
             replicas.lane.drain()
@@ -197,6 +200,12 @@ class ShardedState(SyncState):
                 replicas()
 
         return assign
+
+
+class _ReplicaState(SyncState):
+    """HSDP's average of each shard across replicas: a DDP bucket's path, over the replicas."""
+
+    group_noun = "shard averaged across replicas"
 
 
 class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]

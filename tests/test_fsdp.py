@@ -66,3 +66,23 @@ def test_a_memory_that_overflows_with_a_finite_gradient_skips_the_step_and_stays
     assert bool(torch.isfinite(outs[0]).all()) and bool(torch.isnan(outs[1]).all())
     memory = state.points[0].feedback.error
     assert memory is not None and bool(torch.isfinite(memory).all())
+
+
+def test_hsdp_over_one_rank_shards_says_when_its_replica_average_compresses_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # FSDP runs no reduce-scatter on a one-rank shard group: only the replicas' average runs,
+    # and it must say, as the reduce-scatter does, that nothing is compressed.
+    config = SyncConfig(compressor="int4", warmup_steps=2, min_compress_numel=2500)
+    state = ShardedState(config, LocalComm(), torch.nn.Linear(40, 50), replicas=LocalComm())
+    generator = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="gradsync"):
+        for _ in range(5):
+            for group, numel in ((0, 2000), (1, 1000)):
+                state.all_reduce_replicas(torch.randn(numel, generator=generator), group)
+    said = [r.getMessage() for r in caplog.records if "nothing is compressed" in r.getMessage()]
+    assert said == [
+        "gradsync: nothing is compressed: the largest shard averaged across replicas, 2000 elements, "
+        "is below min_compress_numel=2500 (where compressing costs more than it saves); lower "
+        "SyncConfig(min_compress_numel=...) to compress smaller ones"
+    ]
