@@ -216,11 +216,13 @@ def test_the_table_names_the_gpu_a_run_timed_on(tmp_path):
     )
     document = json.loads(path.read_text())
     assert "gpu" not in document["meta"] and " cores (" in kernels.table(document).splitlines()[-1]
+    assert ", threads=1, " in kernels.table(document).splitlines()[0]
     document["meta"]["gpu"] = "NVIDIA H200"
     document["meta"]["dirty"] = None  # a copy of the tree, told its commit
     document["results"][0].update(seconds=0.000314, clone_seconds=0.0123, encode_seconds=0.00123)
     rendered = kernels.table(document)
     assert "on one NVIDIA H200, torch" in rendered.splitlines()[-1]
+    assert "threads=" not in rendered.splitlines()[0]  # CPU threads time nothing of a GPU's run
     assert "uncommitted changes not checked" in rendered.splitlines()[-1]
     # Three significant figures from a thousandth of a ms up, a tenth from 10 ms on.
     assert "| fp16 | - | 0.314 | 12.3 |" in rendered and "| 1.23 |" in rendered

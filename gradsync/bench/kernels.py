@@ -124,12 +124,14 @@ def run(
     return results
 
 
-def format_table(results: Sequence[KernelResult], threads: int) -> str:
-    """A Markdown table of `results`, a header line naming the set-up, and the missed targets."""
+def format_table(results: Sequence[KernelResult], threads: int | None) -> str:
+    """A Markdown table of `results`, a header line naming the set-up, and the missed targets.
+    `threads`: the CPU threads timed on; None for a GPU's run, where they time nothing."""
     numel = results[0].numel if results else 0
     clone_ms = f"{1e3 * statistics.median(r.clone_seconds for r in results):.3f}" if results else "-"
+    on = "" if threads is None else f", threads={threads}"
     lines = [
-        f"numel={numel:,} fp32, threads={threads}, clone={clone_ms} ms (median over rows)",
+        f"numel={numel:,} fp32{on}, clone={clone_ms} ms (median over rows)",
         "",
         "| compressor | args | ms | clone ms | x clone | bits/elem | target | met | encode ms | x copy |",
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
@@ -177,7 +179,7 @@ def table(document: dict[str, Any]) -> str:
         if "gpu" in meta
         else f"{meta['machine']['cores']} cores ({meta['machine']['cpu']})"
     )
-    return format_table(results, threads=meta["threads"]) + (
+    return format_table(results, threads=None if "gpu" in meta else meta["threads"]) + (
         f"\n\nMedian of {meta['repeats']} calls each, on {where}, torch {meta['machine']['torch']}; "
         f"commit {meta['commit'][:12]}{tree_note(meta.get('dirty', False))}, {meta['date']}."
     )
