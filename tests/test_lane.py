@@ -151,23 +151,8 @@ def test_parts_end_to_end_in_one_buffer_are_sent_from_it_and_others_are_concaten
         assert joined.data_ptr() != buffer.data_ptr()
 
 
-@pytest.mark.parametrize("idle_s", [60.0, 0.001], ids=["stopped", "idling-out"])
-def test_a_thread_ending_while_programs_are_asked_for_loses_none_and_never_runs_two(
-    monkeypatch: pytest.MonkeyPatch, idle_s: float
-) -> None:
-    # The lane's thread ends when stopped or after idling, while the hook may be asking for the
-    # next program: a program must then start a new thread or be served by the old one, never be
-    # left queued, run twice, out of order, or beside another.
-    monkeypatch.setattr("gradsync.lane._IDLE_S", idle_s)
-    serve = Lane._serve
-
-    def serve_then_linger(self: Lane) -> None:  # the thread has given up, and is still alive
-        serve(self)
-        time.sleep(0.02)
-
-    monkeypatch.setattr(Lane, "_serve", serve_then_linger)
-    lane, issued, running, overlaps = Lane(), [], [0], []
-    lock = threading.Lock()
+def _numbered(issued: list[int], running: list[int], overlaps: list[bool], lock: threading.Lock):
+    """Programs that note their label as they issue, and whether another was issuing meanwhile."""
 
     def program(label: int):
         def run() -> Future:
@@ -182,28 +167,73 @@ def test_a_thread_ending_while_programs_are_asked_for_loses_none_and_never_runs_
 
         return run
 
+    return program
+
+
+def _all_done(futures: list[Future], within_s: float) -> bool:
+    """Whether every future completed within `within_s` (not drain() or wait(): a program left
+    queued with no thread to serve it would hang them)."""
+    deadline = time.monotonic() + within_s
+    while not all(f.done() for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return all(f.done() for f in futures)
+
+
+def test_a_program_asked_for_as_the_idle_thread_ends_starts_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The lane's thread ends after idling, while the hook may be asking for the next program.
+    # Here each thread, once it has given up, stays alive until the next program was asked for:
+    # that program must start a new thread, not be queued for the one that is ending.
+    monkeypatch.setattr("gradsync.lane._IDLE_S", 0.001)
+    gave_up, asked = threading.Event(), threading.Event()
+    serve = Lane._serve
+
+    def serve_then_linger(self: Lane) -> None:
+        serve(self)
+        gave_up.set()
+        asked.wait(timeout=10)
+
+    monkeypatch.setattr(Lane, "_serve", serve_then_linger)
+    lane, issued, overlaps = Lane(), [], []
+    program = _numbered(issued, [0], overlaps, threading.Lock())
+    try:
+        for label in range(20):
+            if label:
+                assert gave_up.wait(timeout=10)  # the last program's thread is ending, still alive
+                gave_up.clear()
+            future = lane.run(program(label), blocking=True)
+            asked.set()  # the ending thread may go now; the next one lingers in its turn
+            asked.clear()
+            assert _all_done([future], 10), f"program {label} was left queued for a thread that ended"
+    finally:
+        asked.set()
+        lane.stop()
+    assert issued == list(range(20)) and not any(overlaps)
+
+
+def test_stopping_the_lane_while_programs_are_asked_for_loses_none_and_never_runs_two() -> None:
+    # SyncState.close() stops the lane, and a closed state may go on training: programs asked for
+    # meanwhile are served by the thread being stopped or by a new one, in order, one at a time.
+    lane, issued, overlaps = Lane(), [], []
+    program = _numbered(issued, [0], overlaps, threading.Lock())
     stopping = threading.Event()
 
     def stop_again_and_again() -> None:
         while not stopping.is_set():
             lane.stop(timeout_s=1.0)
+            time.sleep(0.0005)
 
     stopper = threading.Thread(target=stop_again_and_again, daemon=True)
-    if idle_s > 1:
-        stopper.start()
+    stopper.start()
     futures = []
-    for label in range(300):
-        futures.append(lane.run(program(label), blocking=label % 4 != 0))
-        if label % 10 == 9:
-            deadline = time.monotonic() + 10  # not drain(): a program left queued would hang it
-            while not futures[-1].done() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            if not futures[-1].done():
-                break
-            time.sleep(0.005)  # long enough for an idle thread to give up, too short for it to end
-    stopping.set()
-    assert all(f.done() for f in futures), "a program was left queued with no thread to serve it"
-    if stopper.is_alive():
+    try:
+        for label in range(300):
+            futures.append(lane.run(program(label), blocking=label % 4 != 0))
+            if label % 10 == 9:
+                assert _all_done(futures, 10), "a program was left queued with no thread to serve it"
+    finally:
+        stopping.set()
         stopper.join(timeout=10)
     assert issued == list(range(300))
     assert [int(f.value()) for f in futures] == list(range(300))
