@@ -137,9 +137,11 @@ class ShardedState(SyncState):
         self._replica_calls[group] = step + 1
         self.step = max(self.step, step + 1)
         replicas.step = max(replicas.step, step + 1)
-        # Said here too: FSDP runs no reduce-scatter on a one-rank shard group, so a model too
-        # small to compress would otherwise go unsaid there.
-        replicas._say_if_nothing_compressed(step)
+        # Said here where FSDP runs no reduce-scatter for the group (a one-rank shard group), so a
+        # model too small to compress would otherwise go unsaid; where it does, the reduce-scatter
+        # says it of the whole gradient, and a shard, 1/k of it, may stay below where it is not.
+        if group not in self._calls:
+            replicas._say_if_nothing_compressed(step)
         with replicas._failures_named(f"group {group}'s replica all-reduce at step {step}"):
             future = replicas._sync_group(shard, group, step, True, None)
             replicas.lane.drain()

@@ -86,3 +86,21 @@ def test_hsdp_over_one_rank_shards_says_when_its_replica_average_compresses_noth
         "is below min_compress_numel=2500 (where compressing costs more than it saves); lower "
         "SyncConfig(min_compress_numel=...) to compress smaller ones"
     ]
+
+
+def test_hsdp_over_larger_shard_groups_leaves_the_warning_to_the_reduce_scatter(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The reduce-scatter compresses the 4000-element gradient; its 2000-element shard stays below
+    # min_compress_numel across replicas, which is no reason to say that nothing is compressed.
+    config = SyncConfig(compressor="int4", warmup_steps=2, min_compress_numel=2500)
+    state = ShardedState(config, LocalComm(), torch.nn.Linear(40, 50), replicas=LocalComm())
+    generator = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="gradsync"):
+        for _ in range(5):
+            state.reduce_scatter(
+                torch.randn(4000, generator=generator), torch.empty(4000), 0, LocalComm(), True
+            )
+            state.all_reduce_replicas(torch.randn(2000, generator=generator), 0)
+    assert state.stats()["total"]["compressed_groups"] == 3
+    assert not [r for r in caplog.records if "nothing is compressed" in r.getMessage()]
