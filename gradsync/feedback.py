@@ -25,7 +25,8 @@ after the other.
 
 `prepare` (and `defer`) may be given a non-finite `g` (the hook checks what prepare returns, or
 leaves that to a codec whose payload shows it: Compressor.reveals_nonfinite), so it must leave
-every memory untouched: it writes only spares, and `update` alone changes state. `prepare` returns `g` itself
+every memory as it was (but for creating a zero one where none was yet): it writes only spares,
+and `update` alone changes state. `prepare` returns `g` itself
 or a tensor that shares no memory with `g`. It divides by the world size n where that costs
 nothing extra: residual feedback writes e + g / n straight into its spare
 buffer and leaves `g` alone; the others divide `g` in place first (they read it in update).
@@ -39,7 +40,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from . import registry
-from .compress.base import check_real
+from .compress.base import check_real, is_finite
 
 Local = Callable[[], torch.Tensor]
 RemoveLocal = Callable[[torch.Tensor], torch.Tensor]
@@ -226,7 +227,7 @@ class EF21(Feedback):
     ) -> torch.Tensor:
         h_local = self._memory("h_local", g).add_(local())
         h_mean = self._memory("h_mean", g).add_(total)
-        _check_estimates(self, h_local=h_local, h_mean=h_mean)
+        _check_estimates(self, h_mean=h_mean, h_local=h_local)
         return h_mean.clone()  # the caller may hand the result to DDP, which can alias it
 
 
@@ -268,7 +269,7 @@ class EControl(Feedback):
         self.error = self._memory("error", g) + (g - h_local) - delta
         h_local.add_(delta)
         h_mean = self._memory("h_mean", g).add_(total)
-        _check_estimates(self, error=self.error, h_local=h_local, h_mean=h_mean)
+        _check_estimates(self, h_mean=h_mean, h_local=h_local, error=self.error)
         return h_mean.clone()
 
 
@@ -353,15 +354,24 @@ def _check_estimates(form: Feedback, **memories: torch.Tensor) -> None:
     """FloatingPointError where a memory updated from a finite step is not finite: EF21's and
     EControl's estimates of the gradient are sums, which can pass a narrow dtype's range (fp16's
     65504) where the gradient did not. An inf kept there would make every later step non-finite
-    (under a GradScaler, every step skipped), so the rank stops and says so instead."""
+    (under a GradScaler, every step skipped), so the rank stops and says so instead. The mean
+    estimate comes first: it has the same bits on every rank, so where it overflows every rank
+    stops at once; a rank's own memories can overflow on that rank alone, whose peers then fail
+    at their next exchange (docs/failures.md)."""
     for name, memory in memories.items():
-        if not bool(torch.isfinite(memory).all()):
-            raise FloatingPointError(
-                f"gradsync: {type(form).__name__}'s memory {name!r} ({memory.dtype}) is no longer "
-                "finite: its estimate of the gradient passed the dtype's range. Keep the "
-                "gradients in float32 or bfloat16 (autocast trains an fp16 model with float32 "
-                "gradients), or use error_feedback='ef', whose memory is checked before it is sent."
+        if is_finite(memory):
+            continue
+        if memory.dtype == torch.float16:
+            fix = (
+                "keep the gradients in float32 or bfloat16 (autocast trains an fp16 model with "
+                "float32 gradients), or use error_feedback='ef', whose memory is checked before it is sent"
             )
+        else:
+            fix = "the training diverged: lower the learning rate, or use error_feedback='ef'"
+        raise FloatingPointError(
+            f"gradsync: {type(form).__name__}'s memory {name!r} is no longer finite: its estimate of "
+            f"the gradient passed {memory.dtype}'s largest value, {torch.finfo(memory.dtype).max:g}; {fix}"
+        )
 
 
 def _spare_like(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -38,9 +38,10 @@ from torch import nn
 
 from . import exchange, feedback
 from .comm import Comm, TorchComm
+from .compress.base import is_finite
 from .config import SyncConfig
 from .strategy import Strategy
-from .sync import SyncState, collective_device, is_finite
+from .sync import SyncState, collective_device
 
 try:  # FSDP2 with a custom reduce-scatter: recent torch only (the DDP path needs none of it)
     from torch.distributed.fsdp import FSDPModule

@@ -42,7 +42,7 @@ from .comm import (
     then,
 )
 from .compress import Compressor, lookup
-from .compress.base import check_int
+from .compress.base import check_int, is_finite
 from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec, require_config
 from .feedback import Feedback
 from .lane import Lane
@@ -428,8 +428,9 @@ class SyncState:
         guard = not (
             type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
         )
-        # Where the payload shows a non-finite input by itself, the exchange's check finds it.
-        reveals = not guard or type(point.codec).reveals_nonfinite
+        # Where the payload shows a non-finite input by itself, the exchange's check finds it: the
+        # hook need not look (nor where there is nothing to guard).
+        unchecked = not guard or type(point.codec).reveals_nonfinite
         # Whether a plan given up carries anything into this group: its own parameters decide, so
         # that a step's put-back (_keep_carried, from another group's callback, whenever it runs
         # on this rank) never changes how this step's other groups are encoded.
@@ -442,7 +443,7 @@ class SyncState:
         # Residual feedback's add, the encode and the residual in one pass, where the codec can
         # (int8, int4 by two-shot): p is computed as it is encoded, so only a payload that shows a
         # non-finite p can tell of one.
-        fuses = type(point.codec).fuses_feedback and reveals
+        fuses = type(point.codec).fuses_feedback and unchecked
         fuse = strategy.collective == "two-shot" and fuses and not carries
         deferred = point.feedback.defer(x, comm.world_size) if fuse else None
         carried: dict[int, torch.Tensor] = {}  # what a plan given up carries into this step
@@ -454,7 +455,7 @@ class SyncState:
         # What is compressed is checked, not the gradient: a memory added to a finite gradient can
         # pass a narrow dtype's range (fp16's 65504), and a payload that hides it (natural
         # compression saturates) would leave an inf in the memory, and every later step skipped.
-        finite = reveals or is_finite(p)
+        finite = unchecked or is_finite(p)
         # The sum is decoded into `x`, as PyTorch's own hooks return the bucket they were given (a
         # fresh full-size tensor costs as much in page faults as a copy), wherever nothing reads `x`
         # afterwards: what was compressed is another tensor, or its decode is not needed again.
@@ -979,13 +980,6 @@ def warn_nothing_compressed(who: str, noun: str, largest: int, config: SyncConfi
         "(where compressing costs more than it saves); %s",
         *(who, noun, largest, config.min_compress_numel, fix),
     )
-
-
-def is_finite(t: torch.Tensor) -> bool:
-    # One reduction pass instead of an isfinite() mask; a sum that overflows is checked exactly.
-    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
-        return True
-    return bool(torch.isfinite(t).all())
 
 
 def _derive_seed(root: int, group: int, rank: int) -> int:
