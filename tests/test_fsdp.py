@@ -68,39 +68,29 @@ def test_a_memory_that_overflows_with_a_finite_gradient_skips_the_step_and_stays
     assert memory is not None and bool(torch.isfinite(memory).all())
 
 
-def test_hsdp_over_one_rank_shards_says_when_its_replica_average_compresses_nothing(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("shard_ranks", [1, 2])
+def test_hsdp_says_nothing_is_compressed_where_only_the_replica_average_could_compress(
+    caplog: pytest.LogCaptureFixture, shard_ranks: int
 ) -> None:
-    # FSDP runs no reduce-scatter on a one-rank shard group: only the replicas' average runs,
-    # and it must say, as the reduce-scatter does, that nothing is compressed.
+    # FSDP runs no reduce-scatter on a one-rank shard group: only the replicas' average runs, and
+    # it must say, as the reduce-scatter does, that nothing is compressed. Over two ranks the
+    # reduce-scatter compresses the 4000-element gradient, and its 2000-element shard staying
+    # below min_compress_numel across replicas is no reason to say so.
     config = SyncConfig(compressor="int4", warmup_steps=2, min_compress_numel=2500)
     state = ShardedState(config, LocalComm(), torch.nn.Linear(40, 50), replicas=LocalComm())
     generator = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.INFO, logger="gradsync"):
         for _ in range(5):
-            for group, numel in ((0, 2000), (1, 1000)):
-                state.all_reduce_replicas(torch.randn(numel, generator=generator), group)
-    said = [r.getMessage() for r in caplog.records if "nothing is compressed" in r.getMessage()]
-    assert said == [
-        "gradsync: nothing is compressed: the largest shard averaged across replicas, 2000 elements, "
-        "is below min_compress_numel=2500 (where compressing costs more than it saves); lower "
-        "SyncConfig(min_compress_numel=...) to compress smaller ones"
-    ]
-
-
-def test_hsdp_over_larger_shard_groups_leaves_the_warning_to_the_reduce_scatter(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    # The reduce-scatter compresses the 4000-element gradient; its 2000-element shard stays below
-    # min_compress_numel across replicas, which is no reason to say that nothing is compressed.
-    config = SyncConfig(compressor="int4", warmup_steps=2, min_compress_numel=2500)
-    state = ShardedState(config, LocalComm(), torch.nn.Linear(40, 50), replicas=LocalComm())
-    generator = torch.Generator().manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="gradsync"):
-        for _ in range(5):
-            state.reduce_scatter(
-                torch.randn(4000, generator=generator), torch.empty(4000), 0, LocalComm(), True
-            )
+            if shard_ranks > 1:
+                x = torch.randn(4000, generator=generator)
+                state.reduce_scatter(x, torch.empty(4000), 0, LocalComm(), True)
             state.all_reduce_replicas(torch.randn(2000, generator=generator), 0)
-    assert state.stats()["total"]["compressed_groups"] == 3
-    assert not [r for r in caplog.records if "nothing is compressed" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "nothing is compressed" in r.getMessage()]
+    if shard_ranks > 1:
+        assert said == [] and state.stats()["total"]["compressed_groups"] == 3
+    else:
+        assert said == [
+            "gradsync: nothing is compressed: the largest shard averaged across replicas, 2000 "
+            "elements, is below min_compress_numel=2500 (where compressing costs more than it "
+            "saves); lower SyncConfig(min_compress_numel=...) to compress smaller ones"
+        ]
