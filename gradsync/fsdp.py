@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import exchange, feedback
+from . import exchange
 from .comm import Comm, TorchComm
 from .compress.base import is_finite
 from .config import SyncConfig
 from .strategy import Strategy
-from .sync import SyncState, collective_device
+from .sync import SyncState, collective_device, guards
 
 try:  # FSDP2 with a custom reduce-scatter: recent torch only (the DDP path needs none of it)
     from torch.distributed.fsdp import FSDPModule
@@ -101,9 +101,7 @@ class ShardedState(SyncState):
         self._note_compressing(step, f"group {group}", strategy)
         point = self._point(group, x, step)
         self._follow_learning_rate(point, step)
-        guard = not (
-            type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
-        )
+        guard = guards(point)
         # p is checked, not x: prepare writes spares only, and a memory added to a finite x can
         # pass the dtype's range where x did not (SyncState._sync_group checks the same).
         p = point.feedback.prepare(x, 1)

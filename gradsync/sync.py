@@ -423,11 +423,7 @@ class SyncState:
         self._note_compressing(step, _key(self.plan is not None, group), strategy)
         point = self._point(group, x, step, params)
         self._follow_learning_rate(point, step)
-        # Where nothing keeps state a non-finite step could poison (a cast, no error memory), the
-        # payload carries NaN and inf by itself: no check, no flag (as PyTorch's fp16 hook).
-        guard = not (
-            type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback)
-        )
+        guard = guards(point)
         # Where the payload shows a non-finite input by itself, the exchange's check finds it: the
         # hook need not look (nor where there is nothing to guard).
         unchecked = not guard or type(point.codec).reveals_nonfinite
@@ -970,6 +966,13 @@ def _global_rank(comm: Comm) -> int:
     """This process's rank in the default group, which names it in every group; the comm's own
     rank in a world without one (LocalComm)."""
     return dist.get_rank() if dist.is_initialized() else comm.rank
+
+
+def guards(point: CompressionPoint) -> bool:
+    """Whether a non-finite step must be found and skipped at `point`: everywhere but where nothing
+    keeps state it could poison (a cast without error memory), whose payload carries NaN and inf
+    by itself, with no check and no flag (as PyTorch's fp16 hook)."""
+    return not (type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback))
 
 
 def warn_nothing_compressed(who: str, noun: str, largest: int, config: SyncConfig, fix: str) -> None:
