@@ -198,3 +198,24 @@ def test_the_caption_says_a_copy_of_the_tree_was_not_checked_for_changes() -> No
     ):
         doc = script.summarize(raw, {**table_meta(options), "dirty": dirty}, options)
         assert said in script.conditions(doc), dirty
+
+
+def test_the_allocator_settings_every_way_ran_under_are_recorded_and_named_under_the_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradsync.bench import report
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000000")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1000000000")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    settings = report.allocator_env()
+    assert settings == {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
+    options = script.ScriptOptions(steps=STEPS)
+    raw = {"ddp": [[1.0] * STEPS] * 2, "gradsync": [[0.5] * STEPS] * 2}
+    doc = script.summarize(raw, {**table_meta(options), "allocator_env": settings}, options)
+    said = " Every way ran with MALLOC_MMAP_THRESHOLD_=1000000000, MALLOC_TRIM_THRESHOLD_=1000000000."
+    assert said in script.conditions(doc)
+    for unset in ({}, None):  # glibc's defaults, or a document from before the record
+        doc = script.summarize(raw, {**table_meta(options), "allocator_env": unset}, options)
+        assert "Every way ran with" not in script.conditions(doc)

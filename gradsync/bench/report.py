@@ -168,6 +168,18 @@ def provenance() -> dict[str, Any]:
         },
         "command": " ".join(["gradsync", *sys.argv[1:]]) if sys.argv else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "allocator_env": allocator_env(),
+    }
+
+
+def allocator_env() -> dict[str, str]:
+    """The settings of this process's environment that change the CPU memory allocator (glibc's
+    MALLOC_* tunables, a preloaded malloc), which every rank a benchmark starts inherits: how
+    often fresh tensors are paid for in page faults, a part of a step's CPU time on the CPU."""
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name.startswith("MALLOC_") or name in ("GLIBC_TUNABLES", "LD_PRELOAD")
     }
 
 
