@@ -178,6 +178,11 @@ def test_declared_capabilities_do_not_contradict_each_other(name: str) -> None:
         assert not kind.needs_feedback
     if kind.unbiased:
         assert not kind.needs_feedback  # unbiased codecs lose nothing in expectation
+    if kind.fuses_feedback:
+        # The fused pass computes what is compressed as it encodes, so only the payload can tell
+        # of a non-finite one: the hook fuses only for a codec that reveals it (else it would
+        # silently run three passes instead of one).
+        assert kind.reveals_nonfinite
 
 
 REVEALING = [c for c in CASES if cls(c).reveals_nonfinite]
