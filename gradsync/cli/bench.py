@@ -72,9 +72,8 @@ def _bench_kernels(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         device=args.device,
     )
-    on_cpu = kernels.timing_device(args.device).type == "cpu"
-    print(kernels.format_table(results, threads=args.threads if on_cpu else None))
     meta = kernels.metadata(args.numel, args.threads, args.repeats, args.device)
+    print(kernels.table(kernels.to_json(results, meta)))
     path = kernels.write_json(results, meta, args.json)
     print(f"wrote {path}", file=sys.stderr)
     return 0
