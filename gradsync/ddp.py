@@ -27,7 +27,7 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         return _hook(state, bucket)
     except BaseException:
         # A step that raised leaves no half-made regrouping, nor a count of arrivals, to the next.
-        state._regroup, state._arrived = None, (-1, 0)
+        state._regroup, state._arrived, state._first_arrivals = None, (-1, 0), set()
         raise
 
 
@@ -42,6 +42,18 @@ def _hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[tor
         arrived = (state._arrived[1] if state._arrived[0] == local_step else 0) + len(bucket.parameters())
         state._arrived = (local_step, arrived)
         is_last = is_last or arrived >= state._averaged
+    elif state._averaged is None and local_step == 0:
+        # The same iteration without the model (register_comm_hook, which waits for two initial
+        # iterations), where the parameters DDP averages cannot be counted: a parameter arriving
+        # again tells that the step it first arrived in has ended, unannounced.
+        ids = {id(p) for p in bucket.parameters()}
+        if state._first_arrivals.isdisjoint(ids):
+            state._first_arrivals |= ids
+        else:
+            state._first_arrivals = set()
+            state._local_steps = local_step = 1
+            state.step += 1
+            first_iteration = local_step < state._initial_iterations
     if is_last:
         state._local_steps += 1
     buffer = bucket.buffer()

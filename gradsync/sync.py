@@ -154,6 +154,8 @@ class SyncState:
         self._param_shapes = [p.shape for p in params]
         self._averaged = _reducer_params(model) if model is not None else None  # in DDP's buckets
         self._arrived = (-1, 0)  # (a step of this process, its parameters that reached the hook)
+        # ... without the model (register_comm_hook): the ids of those of its first step.
+        self._first_arrivals: set[int] = set()
         self._embeddings = _embedding_params(model) if model is not None else set()
         self._shapes_digest = checkpoint.digest(self._param_shapes) if model is not None else None
         self._device = params[0].device if params else None  # where a checkpoint's tensors go
