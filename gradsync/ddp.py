@@ -34,7 +34,6 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 def _hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     index, is_last = bucket.index(), bucket.is_last()
     local_step = state._local_steps
-    first_iteration = local_step < state._initial_iterations  # DDP's initial buckets, rebuilt later
     if state._averaged is not None and state._initial_iterations > 1 and local_step == 0:
         # Under static_graph, DDP's first iteration hands every bucket as index 0 and none as the
         # last where it has several (parameters of two dtypes): there the step ends once every
@@ -47,13 +46,14 @@ def _hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[tor
         # iterations), where the parameters DDP averages cannot be counted: a parameter arriving
         # again tells that the step it first arrived in has ended, unannounced.
         ids = {id(p) for p in bucket.parameters()}
-        if state._first_arrivals.isdisjoint(ids):
+        if not state._first_arrivals.isdisjoint(ids):
+            state._end_unannounced_step()
+            local_step = state._local_steps
+        elif not is_last:
             state._first_arrivals |= ids
         else:
-            state._first_arrivals = set()
-            state._local_steps = local_step = 1
-            state.step += 1
-            first_iteration = local_step < state._initial_iterations
+            state._first_arrivals = set()  # the step ends as announced
+    first_iteration = local_step < state._initial_iterations  # DDP's initial buckets, rebuilt later
     if is_last:
         state._local_steps += 1
     buffer = bucket.buffer()

@@ -154,7 +154,9 @@ class SyncState:
         self._param_shapes = [p.shape for p in params]
         self._averaged = _reducer_params(model) if model is not None else None  # in DDP's buckets
         self._arrived = (-1, 0)  # (a step of this process, its parameters that reached the hook)
-        # ... without the model (register_comm_hook): the ids of those of its first step.
+        # A state made without the model: the ids of the parameters that reached the hook in
+        # DDP's first iteration while no bucket of it was named the last (static_graph over
+        # several buckets never names one); a repeat, or a read between steps, ends that step.
         self._first_arrivals: set[int] = set()
         self._embeddings = _embedding_params(model) if model is not None else set()
         self._shapes_digest = checkpoint.digest(self._param_shapes) if model is not None else None
@@ -305,6 +307,7 @@ class SyncState:
         its newest exchange ran (None before its first): {"group", "step", "strategy", "codec",
         "collective", "scheme", "feedback", "numel", "tensors", "sent_nbytes", "payload_nbytes"}.
         """
+        self._end_unannounced_step()
         count = len(self.plan.groups) if self.plan is not None else max(self._executed, default=-1) + 1
         return {
             "step": self.step,
@@ -440,9 +443,9 @@ class SyncState:
         divisor = comm.world_size if type(point.feedback) is feedback.NoFeedback and not carries else 1
         # Residual feedback's add, the encode and the residual in one pass, where the codec can
         # (int8, int4 by two-shot): p is computed as it is encoded, so only a payload that shows a
-        # non-finite p can tell of one.
-        fuses = type(point.codec).fuses_feedback and unchecked
-        fuse = strategy.collective == "two-shot" and fuses and not carries
+        # non-finite p can tell of one, which every such codec's does (Compressor refuses
+        # fuses_feedback without reveals_nonfinite).
+        fuse = strategy.collective == "two-shot" and type(point.codec).fuses_feedback and not carries
         deferred = point.feedback.defer(x, comm.world_size) if fuse else None
         carried: dict[int, torch.Tensor] = {}  # what a plan given up carries into this step
         if deferred is not None:  # nothing carried (fuse), and p not yet written
@@ -642,6 +645,15 @@ class SyncState:
         self._say_if_nothing_compressed(step)
         return step
 
+    def _end_unannounced_step(self) -> None:
+        """Count DDP's first iteration where nothing said it ended (see _first_arrivals): the
+        hook calls this as a parameter arrives again, and a read between steps (stats, a
+        checkpoint) before that."""
+        if self._first_arrivals and self._local_steps == 0:
+            self._first_arrivals = set()
+            self._local_steps = 1
+            self.step += 1
+
     def _note_compressing(self, step: int, first: str, strategy: Strategy) -> None:
         """Log, once, the step compression begins at and what is compressed first."""
         if not self._compressing:
@@ -830,6 +842,7 @@ class SyncState:
 
     def _own_state(self) -> dict[str, Any]:
         """This rank's state, unpacked (checkpoint.KEYS)."""
+        self._end_unannounced_step()
         return {
             "rank": self.rank,
             "world_size": self.world_size,

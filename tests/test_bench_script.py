@@ -203,14 +203,18 @@ def test_the_caption_says_a_copy_of_the_tree_was_not_checked_for_changes() -> No
 def test_the_allocator_settings_every_way_ran_under_are_recorded_and_named_under_the_table(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import os
+
     from gradsync.bench import report
 
+    for name in [n for n in os.environ if n.startswith("MALLOC_")] + ["LD_PRELOAD", "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(name, raising=False)
+    assert report.allocator_env() == {} and report.provenance()["allocator_env"] == {}
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000000")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1000000000")
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     settings = report.allocator_env()
     assert settings == {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
+    assert report.provenance()["allocator_env"] == settings  # what every benchmark's JSON records
     options = script.ScriptOptions(steps=STEPS)
     raw = {"ddp": [[1.0] * STEPS] * 2, "gradsync": [[0.5] * STEPS] * 2}
     doc = script.summarize(raw, {**table_meta(options), "allocator_env": settings}, options)

@@ -180,9 +180,23 @@ def test_declared_capabilities_do_not_contradict_each_other(name: str) -> None:
         assert not kind.needs_feedback  # unbiased codecs lose nothing in expectation
     if kind.fuses_feedback:
         # The fused pass computes what is compressed as it encodes, so only the payload can tell
-        # of a non-finite one: the hook fuses only for a codec that reveals it (else it would
-        # silently run three passes instead of one).
+        # of a non-finite one: neither the hook nor a two-shot owner looks again before the
+        # error memory keeps it.
         assert kind.reveals_nonfinite
+
+
+def test_a_codec_that_fuses_feedback_without_revealing_a_non_finite_input_is_refused_as_written() -> None:
+    # Codecs added to compress.REGISTRY are held to it too, where their class is made.
+    with pytest.raises(TypeError, match=r"Hiding declares fuses_feedback but not reveals_nonfinite"):
+
+        class Hiding(compress.Compressor):
+            fuses_feedback = True
+
+    class Revealing(compress.Compressor):
+        fuses_feedback = True
+        reveals_nonfinite = True
+
+    assert Revealing.fuses_feedback
 
 
 REVEALING = [c for c in CASES if cls(c).reveals_nonfinite]

@@ -49,7 +49,8 @@ class Compressor:
                  the input a second time to look for one.
       fuses_feedback  compress_corrected encodes base + alpha * g and leaves what it lost in
                  the caller's buffer in one pass: residual error feedback's add, encode and
-                 residual, otherwise three full-size passes (absmax's int8 and int4).
+                 residual, otherwise three full-size passes (absmax's int8 and int4). Requires
+                 reveals_nonfinite (checked as the class is made).
       uses_shapes  the hook tells it the shapes of the tensors a group holds, in buffer order
                  (use_shapes), and it compresses each by its own shape: PowerSGD approximates
                  each weight as its own matrix.
@@ -82,6 +83,18 @@ class Compressor:
     fuses_feedback: ClassVar[bool] = False
     uses_shapes: ClassVar[bool] = False
     warms_up: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A fused encode computes what it compresses as it goes, so only its payload can show a
+        # NaN or inf there: neither the hook nor a two-shot owner looks again before the memory
+        # keeps it. Checked where the class is written, for codecs added to REGISTRY too.
+        if cls.fuses_feedback and not cls.reveals_nonfinite:
+            raise TypeError(
+                f"{cls.__name__} declares fuses_feedback but not reveals_nonfinite: a fused encode "
+                "must make its payload non-finite wherever its input is, or an inf would enter the "
+                "error memory unseen; declare reveals_nonfinite (and test it), or drop fuses_feedback"
+            )
 
     def compress(self, x: torch.Tensor) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress")
