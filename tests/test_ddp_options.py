@@ -209,11 +209,20 @@ class Tower(nn.Module):
 
 
 def steps_from(
-    ddp: DistributedDataParallel, config: SyncConfig, steps: range, saved: dict | None = None
+    ddp: DistributedDataParallel,
+    config: SyncConfig,
+    steps: range,
+    saved: dict | None = None,
+    hooked: bool = False,
 ) -> tuple[DistributedDataParallel, Any]:
     """`steps` of plain SGD on `ddp` under gradsync with `config`, from `saved` (the module's and
-    gradsync's state) where given: a run, or a run resumed in a fresh model."""
-    state = gradsync.register(ddp, config)
+    gradsync's state) where given: a run, or a run resumed in a fresh model. `hooked`: by a state
+    made without the model (register_comm_hook, as a framework's ddp_comm_state), not register()."""
+    if hooked:
+        state = gradsync.SyncState(config)
+        ddp.register_comm_hook(state, gradsync.hook)
+    else:
+        state = gradsync.register(ddp, config)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     if saved is not None:
         ddp.module.load_state_dict(saved["model"])
@@ -281,9 +290,12 @@ class TwoDtypes(nn.Module):
         return self.last(self.middle(self.first(x).to(torch.bfloat16)).float())
 
 
-def static_steps(steps: range, saved: dict | None = None) -> tuple[DistributedDataParallel, Any]:
+def static_steps(
+    steps: range, saved: dict | None = None, hooked: bool = False
+) -> tuple[DistributedDataParallel, Any]:
     ddp = DistributedDataParallel(TwoDtypes(), bucket_cap_mb=0.002, static_graph=True)
-    return steps_from(ddp, SyncConfig(compressor="fp16", warmup_steps=2, min_compress_numel=0), steps, saved)
+    config = SyncConfig(compressor="fp16", warmup_steps=2, min_compress_numel=0)
+    return steps_from(ddp, config, steps, saved, hooked)
 
 
 def test_static_graphs_first_iteration_over_several_buckets_is_a_step_and_resumes_exactly(
@@ -304,23 +316,6 @@ def test_static_graphs_first_iteration_over_several_buckets_is_a_step_and_resume
         assert torch.equal(a, b)
 
 
-def hooked_steps(steps: range, saved: dict | None = None) -> tuple[DistributedDataParallel, Any]:
-    """static_steps' run with a state made without the model (register_comm_hook), as a
-    framework's ddp_comm_state makes it."""
-    ddp = DistributedDataParallel(TwoDtypes(), bucket_cap_mb=0.002, static_graph=True)
-    state = gradsync.SyncState(SyncConfig(compressor="fp16", warmup_steps=2, min_compress_numel=0))
-    ddp.register_comm_hook(state, gradsync.hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    if saved is not None:
-        ddp.module.load_state_dict(saved["model"])
-        state.load_state_dict(saved["gradsync"])
-    for step in steps:
-        optimizer.zero_grad()
-        ddp(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().mean().backward()
-        optimizer.step()
-    return ddp, state
-
-
 def test_a_state_made_without_the_model_counts_static_graphs_first_iteration_over_several_buckets(
     one_rank: None,
 ) -> None:
@@ -328,12 +323,12 @@ def test_a_state_made_without_the_model_counts_static_graphs_first_iteration_ove
     # cannot count the parameters to see the step end: it must still count the step, train as
     # the state register() made does, bit for bit, and save the right step after it.
     registered, _ = static_steps(range(6))
-    continuous, state = hooked_steps(range(6))
+    continuous, state = static_steps(range(6), hooked=True)
     assert state.step == 6 and state.stats()["total"]["compressed_groups"] > 0
     for a, b in zip(continuous.parameters(), registered.parameters(), strict=True):
         assert torch.equal(a, b)
     for cut in (1, 3):
-        first, state = hooked_steps(range(cut))
+        first, state = static_steps(range(cut), hooked=True)
         assert state.stats()["step"] == cut  # read between steps, the first one has ended
         saved = {
             "model": {k: v.clone() for k, v in first.module.state_dict().items()},
@@ -341,7 +336,7 @@ def test_a_state_made_without_the_model_counts_static_graphs_first_iteration_ove
         }
         # Resumed, it is numbered as the continuous run (not its bits: a state without the model
         # averages a fresh DDP's first two steps uncompressed, as docs/integrations.md says).
-        _, state = hooked_steps(range(cut, 6), saved)
+        _, state = static_steps(range(cut, 6), saved, hooked=True)
         assert state.step == 6
 
 
