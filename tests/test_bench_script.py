@@ -218,8 +218,8 @@ def test_the_allocator_settings_every_way_ran_under_are_recorded_and_named_under
     options = script.ScriptOptions(steps=STEPS)
     raw = {"ddp": [[1.0] * STEPS] * 2, "gradsync": [[0.5] * STEPS] * 2}
     doc = script.summarize(raw, {**table_meta(options), "allocator_env": settings}, options)
-    said = " Every way ran with MALLOC_MMAP_THRESHOLD_=1000000000, MALLOC_TRIM_THRESHOLD_=1000000000."
+    said = " Every run had MALLOC_MMAP_THRESHOLD_=1000000000, MALLOC_TRIM_THRESHOLD_=1000000000."
     assert said in script.conditions(doc)
     for unset in ({}, None):  # glibc's defaults, or a document from before the record
         doc = script.summarize(raw, {**table_meta(options), "allocator_env": unset}, options)
-        assert "Every way ran with" not in script.conditions(doc)
+        assert "Every run had" not in script.conditions(doc)

@@ -218,6 +218,13 @@ def test_a_schedule_longer_than_the_runs_is_stated():
     assert "20 steps (its learning-rate schedule spans 60)" in report.conditions(document)
 
 
+def test_the_caption_names_the_allocator_settings_the_runs_inherited():
+    document = _document()
+    assert "Every run had" not in report.conditions(document)  # glibc's defaults, or an old document
+    document["meta"]["allocator_env"] = {"MALLOC_MMAP_THRESHOLD_": "1000000000"}
+    assert report.conditions(document).endswith(" Every run had MALLOC_MMAP_THRESHOLD_=1000000000.")
+
+
 def test_a_run_that_never_reaches_the_target_has_no_time_to_target():
     options = train.BenchOptions(strategies=("ddp", "signsgd"), steps=20)
     raw = [_raw("ddp", 1.0, [3.0, 2.0, 1.0]), _raw("signsgd", 0.5, [3.0, 2.5, 2.0])]

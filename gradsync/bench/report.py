@@ -123,7 +123,17 @@ def conditions(document: dict[str, Any]) -> str:
             if target is not None
             else "No DDP run, so no time-to-target."
         )
+        + allocator_note(meta)
     )
+
+
+def allocator_note(meta: dict[str, Any]) -> str:
+    """The allocator settings every run inherited (allocator_env), as a caption says them; "" where
+    none was set, or the document predates the record."""
+    settings = meta.get("allocator_env")
+    if not settings:
+        return ""
+    return f" Every run had {', '.join(f'{k}={v}' for k, v in settings.items())}."
 
 
 def reference_name(meta: dict[str, Any]) -> str:

@@ -272,16 +272,8 @@ def conditions(document: dict[str, Any]) -> str:
         f"Network: {network['description']}"
         f"{probe}. Machine: {meta['machine']['cores']} cores shared by all ranks (CPU work weighs "
         f"more than on real hosts), torch {meta['machine']['torch']}; commit {meta['commit'][:12]}"
-        f"{report.tree_note(meta['dirty'])}, {meta['date']}.{_allocator(meta)}{_adopted(document)}"
+        f"{report.tree_note(meta['dirty'])}, {meta['date']}.{report.allocator_note(meta)}{_adopted(document)}"
     )
-
-
-def _allocator(meta: dict[str, Any]) -> str:
-    """The allocator settings every way ran under, where any was set (report.allocator_env)."""
-    settings = meta.get("allocator_env")  # documents from before it was recorded have none
-    if not settings:
-        return ""
-    return f" Every way ran with {', '.join(f'{k}={v}' for k, v in settings.items())}."
 
 
 def _adopted(document: dict[str, Any]) -> str:
