@@ -27,32 +27,29 @@ def hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         return _hook(state, bucket)
     except BaseException:
         # A step that raised leaves no half-made regrouping, nor a count of arrivals, to the next.
-        state._regroup, state._arrived, state._first_arrivals = None, (-1, 0), set()
+        state._regroup, state._first_arrivals = None, set()
         raise
 
 
 def _hook(state: SyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     index, is_last = bucket.index(), bucket.is_last()
     local_step = state._local_steps
-    if state._averaged is not None and state._initial_iterations > 1 and local_step == 0:
+    if state._initial_iterations > 1 and local_step == 0:
         # Under static_graph, DDP's first iteration hands every bucket as index 0 and none as the
-        # last where it has several (parameters of two dtypes): there the step ends once every
-        # parameter DDP averages has arrived (nowhere else: is_last is DDP's own word).
-        arrived = (state._arrived[1] if state._arrived[0] == local_step else 0) + len(bucket.parameters())
-        state._arrived = (local_step, arrived)
-        is_last = is_last or arrived >= state._averaged
-    elif state._averaged is None and local_step == 0:
-        # The same iteration without the model (register_comm_hook, which waits for two initial
-        # iterations), where the parameters DDP averages cannot be counted: a parameter arriving
-        # again tells that the step it first arrived in has ended, unannounced.
+        # last where it has several (parameters of two dtypes). The step ends once every parameter
+        # DDP averages has arrived, where the model says how many (nowhere else: is_last is DDP's
+        # own word); without it (register_comm_hook, which always waits two iterations), once a
+        # parameter arrives again, unannounced.
         ids = {id(p) for p in bucket.parameters()}
         if not state._first_arrivals.isdisjoint(ids):
             state._end_unannounced_step()
             local_step = state._local_steps
-        elif not is_last:
-            state._first_arrivals |= ids
         else:
-            state._first_arrivals = set()  # the step ends as announced
+            state._first_arrivals |= ids
+            if state._averaged is not None:
+                is_last = is_last or len(state._first_arrivals) >= state._averaged
+            if is_last:
+                state._first_arrivals = set()
     first_iteration = local_step < state._initial_iterations  # DDP's initial buckets, rebuilt later
     if is_last:
         state._local_steps += 1

@@ -41,7 +41,7 @@ from .comm import Comm, TorchComm
 from .compress.base import is_finite
 from .config import SyncConfig
 from .strategy import Strategy
-from .sync import SyncState, collective_device, guards
+from .sync import SyncState, collective_device
 
 try:  # FSDP2 with a custom reduce-scatter: recent torch only (the DDP path needs none of it)
     from torch.distributed.fsdp import FSDPModule
@@ -101,7 +101,7 @@ class ShardedState(SyncState):
         self._note_compressing(step, f"group {group}", strategy)
         point = self._point(group, x, step)
         self._follow_learning_rate(point, step)
-        guard = guards(point)
+        guard = point.guarded
         # p is checked, not x: prepare writes spares only, and a memory added to a finite x can
         # pass the dtype's range where x did not (SyncState._sync_group checks the same).
         p = point.feedback.prepare(x, 1)

@@ -81,6 +81,13 @@ class CompressionPoint:
             "rates": None if self.rates is None else list(self.rates),
         }
 
+    @property
+    def guarded(self) -> bool:
+        """Whether a non-finite step must be found and skipped here: everywhere but where nothing
+        keeps state it could poison (a cast without error memory), whose payload carries NaN and
+        inf by itself, with no check and no flag (as PyTorch's fp16 hook)."""
+        return not (type(self.codec).preserves_nonfinite and isinstance(self.feedback, feedback.NoFeedback))
+
     def rescale(self, ratio: float) -> None:
         """Scale every memory that holds back part of the update (Feedback.rescale). The shard's
         re-encoding memory too where the form's own memory holds back (residual feedback); under
@@ -153,10 +160,9 @@ class SyncState:
         self._param_index: dict[int, int] | None = {id(p): i for i, p in enumerate(params)} if model else None
         self._param_shapes = [p.shape for p in params]
         self._averaged = _reducer_params(model) if model is not None else None  # in DDP's buckets
-        self._arrived = (-1, 0)  # (a step of this process, its parameters that reached the hook)
-        # A state made without the model: the ids of the parameters that reached the hook in
-        # DDP's first iteration while no bucket of it was named the last (static_graph over
-        # several buckets never names one); a repeat, or a read between steps, ends that step.
+        # The ids of the parameters that reached the hook in DDP's first iteration while no
+        # bucket of it was named the last (static_graph over several buckets never names one):
+        # all that DDP averages end it; without the model, a repeat, or a read between steps.
         self._first_arrivals: set[int] = set()
         self._embeddings = _embedding_params(model) if model is not None else set()
         self._shapes_digest = checkpoint.digest(self._param_shapes) if model is not None else None
@@ -428,7 +434,7 @@ class SyncState:
         self._note_compressing(step, _key(self.plan is not None, group), strategy)
         point = self._point(group, x, step, params)
         self._follow_learning_rate(point, step)
-        guard = guards(point)
+        guard = point.guarded
         # Where the payload shows a non-finite input by itself, the exchange's check finds it: the
         # hook need not look (nor where there is nothing to guard).
         unchecked = not guard or type(point.codec).reveals_nonfinite
@@ -981,13 +987,6 @@ def _global_rank(comm: Comm) -> int:
     """This process's rank in the default group, which names it in every group; the comm's own
     rank in a world without one (LocalComm)."""
     return dist.get_rank() if dist.is_initialized() else comm.rank
-
-
-def guards(point: CompressionPoint) -> bool:
-    """Whether a non-finite step must be found and skipped at `point`: everywhere but where nothing
-    keeps state it could poison (a cast without error memory), whose payload carries NaN and inf
-    by itself, with no check and no flag (as PyTorch's fp16 hook)."""
-    return not (type(point.codec).preserves_nonfinite and isinstance(point.feedback, feedback.NoFeedback))
 
 
 def warn_nothing_compressed(who: str, noun: str, largest: int, config: SyncConfig, fix: str) -> None:
