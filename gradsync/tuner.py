@@ -7,13 +7,16 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
   steps r .. r+MEASURED  uncompressed on DDP's buckets, as any warm-up step; hooks note when each
                       step's forward pass starts and ends and when each gradient is ready
                       (`StepTimer`); steps r+2 .. are counted (r: DDP's first iteration, r+1: its
-                      first on rebuilt buckets, slower by one-off allocations). In step r+1 rank 0
-                      also compresses each gradient at every level of the compressor and notes
-                      its error: the budget the planner keeps to (gradsync.levels).
-  start of step r+MEASURED+1  every rank measures the collectives and each codec of the strategy
-                      space; with the compute timeline, the slowest rank's numbers make a measured
-                      cluster, from which gradsync.autoplan ranks the candidate plans (rank 0's
-                      list, sent to all: every rank tries the same).
+                      first on rebuilt buckets, slower by one-off allocations).
+  step r+MEASURED+1   the measuring step, uncompressed: at its start every rank measures the
+                      collectives and each codec of the strategy space; with the compute timeline,
+                      the slowest rank's numbers make a measured cluster. As its buckets go by,
+                      rank 0 compresses each gradient at every level of the compressor and notes
+                      its error: the budget the planner keeps to (gradsync.levels). Every one-off
+                      cost of measuring falls in this one step, already long, rather than lengthen
+                      another.
+  start of step r+PLANNED  gradsync.autoplan ranks the candidate plans from those numbers (rank
+                      0's list, sent to all: every rank tries the same).
   probing             from the later of that step and config.warmup_steps: each of at most
                       CANDIDATES candidates runs STEPS_EACH steps for real, one after the other;
                       a step's time is from its forward pass's start to its last exchange's end
@@ -75,18 +78,22 @@ from .sync import SyncState, averaged
 log = logging.getLogger("gradsync")
 
 MEASURED = 4  # steps of a timeline measurement, the first two not counted
+PLANNED = MEASURED + 2  # the first step a candidate can run: after the timeline and the measuring step
 STEPS_EACH = 3  # probe steps per candidate; the first (allocations, codec set-up) is not counted
 # Collective sizes (bytes per rank) and codec sizes (elements) for the start-up fits: fewer and
 # smaller than gradsync.profile's defaults, to keep start-up short.
 COLLECTIVE_NBYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+# A collective whose next size would take longer than this is bandwidth-bound already: that size
+# is left out (profile.measure_collectives). On a 1 Gbit/s link every 4 MiB probe is.
+LONGEST_PROBE_S = 0.025
 CODEC_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20)
 REPEATS = 3
 
 
 def warmup_steps(config: SyncConfig) -> int:
     """Steps before the adopted plan runs in a fresh run, at most: measuring, then probing (a
-    runoff included) from the later of the step after it and config.warmup_steps."""
-    return max(MEASURED + 1, config.warmup_steps) + (CANDIDATES + 2) * STEPS_EACH
+    runoff included) from the later of PLANNED and config.warmup_steps."""
+    return max(PLANNED, config.warmup_steps) + (CANDIDATES + 2) * STEPS_EACH
 
 
 class StepTimer:
@@ -175,12 +182,10 @@ def measure(
     config: SyncConfig,
     names: Sequence[str],
     steps: Sequence[int],
-    errors: Mapping[int, Mapping[str, float]] | None = None,
 ) -> Measured:
     """The compute timeline of `steps` and this cluster's collective and codec costs; every number
-    the slowest rank's. Every rank must call it at the same point. `errors`: per parameter
-    position, each level's compression error on its gradient (error_levels), where this rank
-    measured them."""
+    the slowest rank's (no errors: with_errors() adds them). Every rank must call it at the same
+    point."""
     device = timer.device
     forward_s, backward_s, optimizer_s, ready = timer.timeline(steps)
     values = [forward_s, backward_s, optimizer_s] + [ready.get(i, -1.0) for i in range(len(timer.params))]
@@ -200,7 +205,7 @@ def measure(
         comm, codec_specs(config), CODEC_SIZES, REPEATS, config.seed, device
     )
     collectives = ["allreduce", "allgather", "all_to_all", "allreduce:float16", "allreduce:bfloat16"]
-    fits = profile.probe_collectives(comm, COLLECTIVE_NBYTES, REPEATS, device, collectives)
+    fits = profile.probe_collectives(comm, COLLECTIVE_NBYTES, REPEATS, device, collectives, LONGEST_PROBE_S)
     (copy_bytes_per_s,) = profile.slowest_rank(
         comm, [-profile.copy_bandwidth(device, repeats=REPEATS)], device
     )  # the slowest's
@@ -208,9 +213,15 @@ def measure(
     where = clusters.measured(
         comm.world_size, fits, compression, hook, name=f"{comm.world_size} measured ranks"
     )
-    return Measured(
-        compute, dataclasses.replace(where, device=host), tuple(order), budget(config, errors, order)
-    )
+    return Measured(compute, dataclasses.replace(where, device=host), tuple(order))
+
+
+def with_errors(
+    measured: Measured, config: SyncConfig, errors: Mapping[int, Mapping[str, float]] | None
+) -> Measured:
+    """`measured` with the budget of `errors` (per parameter position, each level's compression
+    error on its gradient: error_levels), where this rank measured them."""
+    return dataclasses.replace(measured, errors=budget(config, errors, measured.params))
 
 
 def lossy_specs(config: SyncConfig) -> list[str]:
@@ -268,8 +279,9 @@ class AutoState(SyncState):
         self.adopted_at: int | None = None  # the step the adopted plan first ran
         self._started = -1  # the newest step whose start was handled
         self._forward: dict[int, int] = {}  # step -> the timer's index of its forward pass
-        # Rank 0's measured compression errors, per parameter position and level (the planner's
-        # budget); taken in the step after DDP's first, whose timing is not counted anyway.
+        # What the measuring step measured: the cluster and timeline, then, as its buckets go by,
+        # rank 0's compression errors per parameter position and level (the planner's budget).
+        self._measurement: Measured | None = None
         self._errors: dict[int, dict[str, float]] = {}
         self._closed = False
 
@@ -290,8 +302,11 @@ class AutoState(SyncState):
         if self.done:  # the timer is closed: nothing more to note, nor to keep
             return
         self._forward[step] = len(self.timer.forward_start) - 1
-        if self.probe_from is None and step == self.measure_from + MEASURED + 1:
-            self._make_candidates(range(self.measure_from + 2, step + 1))  # this step's ends the last
+        if self.probe_from is None:
+            if step == self.measure_from + MEASURED + 1:
+                self._measure(range(self.measure_from + 2, step + 1))  # this step's start ends the last
+            elif step == self.measure_from + PLANNED and self._measurement is not None:
+                self._make_candidates(self._measurement)
         if self.probe_from is None or step < self.probe_from:
             return
         probed = step - 1 - self.probe_from  # the probe step that just ended
@@ -402,9 +417,10 @@ class AutoState(SyncState):
             restore()  # the points of the plan in use, and the step
             self._carry = carry
             self._started = -1
+            self._measurement, self._errors = None, {}  # a measuring step is measured afresh
             # A step before the restore's is never counted as one after it; the timer's hooks are
-            # as the phase restored has them (_adopt closes it, _make_candidates keeps the forward
-            # pass's start), also where an earlier phase in this process removed them.
+            # as the phase restored has them (_adopt closes it, _measure keeps the forward pass's
+            # start), also where an earlier phase in this process removed them.
             self._forward.clear()
             if not self._closed:
                 self.timer.reset()
@@ -436,10 +452,19 @@ class AutoState(SyncState):
         # the config's own level, as a gradient that was not measured.
         self._errors.update(error_levels(dict(zip(params, bucket.gradients(), strict=True)), self.config))
 
-    def _make_candidates(self, steps: Sequence[int]) -> None:
-        comm = self._comm()
+    def measuring(self) -> bool:
+        """Whether this step is the measuring step (module docstring)."""
+        return self.probe_from is None and self.step == self.measure_from + MEASURED + 1
+
+    def _measure(self, steps: Sequence[int]) -> None:
         indices = [self._forward[k] for k in steps if k in self._forward]
-        found = measure(self.timer, comm, self.config, self.names, indices, self._errors)
+        self._measurement = measure(self.timer, self._comm(), self.config, self.names, indices)
+        self._errors = {}
+        self.timer.stop_gradients()
+
+    def _make_candidates(self, measured: Measured) -> None:
+        comm = self._comm()
+        found = with_errors(measured, self.config, self._errors)
         # DDP's buckets of the last step (at a step's start, before its first bucket is noted).
         latest = max((seen for seen, _ in self._ddp_layout.values()), default=None)
         buckets = [group for i, (seen, group) in sorted(self._ddp_layout.items()) if seen == latest]
@@ -458,7 +483,7 @@ class AutoState(SyncState):
         self.candidates = [Plan.from_dict(p) for p in lists[0]]
         self.probe_from = max(self._started, self.config.warmup_steps)
         self.order = list(range(len(self.candidates)))
-        self.timer.stop_gradients()
+        self._measurement, self._errors = None, {}
         log.info(
             "gradsync plan='auto': %d candidates, tried from step %d", len(self.candidates), self.probe_from
         )
@@ -497,7 +522,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     """DDP communication hook under plan="auto": the start of each step plans, probes or adopts;
     the bucket itself goes through gradsync's hook."""
     state.start_step(state.step)
-    if state.probe_from is None and state.step == state.measure_from + 1 and state.rank == 0:
+    if state.rank == 0 and state.measuring():
         state.note_errors(bucket)
     future = hook(state, bucket)
     # Planning: when the step's exchange ended (its index: the step was counted as its last

@@ -123,8 +123,8 @@ def test_codec_specs_name_codecs_as_strategies_do_and_warmup_covers_the_probes()
     assert autoplan.codec_specs(SyncConfig(compressor="none", plan="auto")) == ["fp16", "bf16"]
     probing = (autoplan.CANDIDATES + 2) * tuner.STEPS_EACH  # a runoff of two included
     # Probing starts after the measured steps, or after the config's warm-up if that is longer.
-    assert tuner.warmup_steps(config) == max(config.warmup_steps, tuner.MEASURED + 1) + probing
-    assert tuner.warmup_steps(SyncConfig(warmup_steps=2, plan="auto")) == tuner.MEASURED + 1 + probing
+    assert tuner.warmup_steps(config) == max(config.warmup_steps, tuner.PLANNED) + probing
+    assert tuner.warmup_steps(SyncConfig(warmup_steps=2, plan="auto")) == tuner.PLANNED + probing
 
 
 def test_a_runoff_retries_the_two_fastest_only_when_they_are_within_the_margin() -> None:

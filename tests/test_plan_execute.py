@@ -172,6 +172,27 @@ def test_plan_auto_plans_every_trainable_parameter_even_one_never_used(one_rank:
     assert all(g is not None for g in state.stats()["groups"])  # and every group ran
 
 
+def test_plan_auto_measures_compression_errors_in_its_measuring_step_alone(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every one-off cost of measuring falls in the one step that probes the collectives and codecs
+    # (already long), not in another: the errors are taken as that step's buckets go by, and the
+    # candidates made at the next step's start keep to their budget.
+    model = DistributedDataParallel(Net())
+    state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
+    assert isinstance(state, AutoState)
+    at: list[int] = []
+    error_levels = tuner.error_levels
+    monkeypatch.setattr(tuner, "error_levels", lambda g, c: at.append(state.step) or error_levels(g, c))
+    _train(model, tuner.PLANNED)
+    assert at and set(at) == {tuner.MEASURED + 1} and state.candidates == []
+    _train(model, 1, first=tuner.PLANNED)
+    assert state.candidates and state.probe_from == max(tuner.PLANNED, state.config.warmup_steps)
+    compressing = [p for p in state.candidates if any(s.compressed for s in p.strategies)]
+    assert compressing and all(p.meta["error_budget"] > 0 for p in compressing)
+    assert set(at) == {tuner.MEASURED + 1}
+
+
 @pytest.mark.parametrize("turns", [False, True], ids=["runoff-confirms", "runoff-turns"])
 def test_plan_auto_runs_off_close_candidates_and_keeps_the_winner_running(
     one_rank: None, monkeypatch: pytest.MonkeyPatch, turns: bool
@@ -258,7 +279,7 @@ def test_plan_auto_resumes_a_checkpoint_saved_before_runoffs_existed(
     model = DistributedDataParallel(Net())
     state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
     assert isinstance(state, AutoState)
-    probe_from = max(tuner.MEASURED + 1, state.config.warmup_steps)
+    probe_from = max(tuner.PLANNED, state.config.warmup_steps)
     _train(model, probe_from + tuner.STEPS_EACH + 1)
     own = AutoState._own_state
 

@@ -10,13 +10,14 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from gradsync import profile
-from gradsync.comm import LocalComm
+from gradsync.comm import LocalComm, completed
 from gradsync.compress.base import count_for
 from gradsync.compress.topk import TopK
 from gradsync.cost import LinearFit, fit_linear
@@ -322,6 +323,44 @@ def test_the_hook_is_timed_only_where_it_compresses() -> None:
     config = profile.hook_config("fp16")
     with pytest.raises(ValueError, match="below min_compress_numel=16384"):
         profile.measure_hook(config, (1 << 10, 1 << 20))
+
+
+class SlowLink(LocalComm):
+    """Two ranks, both this process, on a link of 100 MB/s with 0.2 ms for each collective."""
+
+    world_size = 2
+
+    def _transfer(self, *tensors: torch.Tensor) -> None:
+        time.sleep(2e-4 + sum(t.nbytes for t in tensors) / 1e8)
+
+    def allreduce(self, tensor: torch.Tensor) -> Any:
+        self._transfer(tensor)
+        return completed(tensor)
+
+    def allgather(self, tensor: torch.Tensor) -> Any:
+        self._transfer(tensor)
+        return completed([tensor, tensor])
+
+    def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Any:
+        self._transfer(*parts)
+        return completed(list(parts))
+
+
+def test_probes_leave_out_the_sizes_a_bandwidth_bound_link_would_spend_longest_s_on() -> None:
+    sizes = (1 << 22, 1 << 12, 1 << 20, 1 << 16)  # any order: measured smallest first
+    every = profile.measure_collectives(SlowLink(), sizes, repeats=1)
+    assert all(nbytes == sorted(sizes) for nbytes, _ in every.values())
+    # 1 MiB takes about 10 ms here, so 4 MiB would take 40: past 25 ms, it is left out, for every
+    # collective; a limit it would not pass leaves every size in. The three smallest always run.
+    cut = profile.measure_collectives(SlowLink(), sizes, repeats=1, longest_s=0.025)
+    assert all(nbytes == sorted(sizes)[:3] for nbytes, _ in cut.values())
+    loose = profile.measure_collectives(SlowLink(), sizes, repeats=1, longest_s=0.1)
+    assert all(nbytes == sorted(sizes) for nbytes, _ in loose.values())
+    tight = profile.measure_collectives(SlowLink(), sizes, repeats=1, longest_s=1e-6)
+    assert all(nbytes == sorted(sizes)[:3] for nbytes, _ in tight.values())
+    # The fits from the sizes left still find the link's rate.
+    fits = profile.probe_collectives(SlowLink(), sizes, repeats=1, longest_s=0.025)
+    assert all(fit.points == 3 and fit.per_unit_s == pytest.approx(1e-8, rel=0.3) for fit in fits.values())
 
 
 def test_collectives_may_name_their_dtype() -> None:

@@ -36,12 +36,18 @@ def measure_collectives(
     repeats: int = 5,
     device: str | torch.device = "cpu",
     names: Sequence[str] = COLLECTIVES,
+    longest_s: float | None = None,
 ) -> dict[str, tuple[list[int], list[float]]]:
-    """Per collective: (bytes per rank as sent, this rank's median seconds), one per size in `sizes`.
+    """Per collective: (bytes per rank as sent, this rank's median seconds), one per size in `sizes`
+    it ran, smallest first.
 
     Every rank must call it with the same arguments. Sizes are rounded to whole elements (and
     all_to_all's to a whole number of elements per rank), at least one; the bytes returned are
     those actually sent. A name may carry a dtype, "allreduce:float16"; the default is fp32.
+    `longest_s`: a size is not run where its time, scaled from the next smaller size's warm-up on
+    the slowest rank, would pass this; the three smallest always run. There the collective is
+    bandwidth-bound already, and a larger size would cost its repeats' time for no new point
+    of the line (a slow link's largest probes are most of plan="auto"'s measuring step).
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
@@ -49,31 +55,41 @@ def measure_collectives(
     clock = Clock(device)
     n = comm.world_size
     tiny = torch.zeros(1, device=device)
-    cases = []  # (collective, elements each rank sends to each peer, input)
+    sizes = sorted(sizes)
+    cases = []  # (name, collective, elements each rank sends to each peer, input)
     for name in names:
         kind, dtype = collective_kind(name)
         size = torch.empty((), dtype=dtype).element_size()
         for nbytes in sizes:
             per_rank = max(1, nbytes // (size * n)) if kind == "all_to_all" else max(1, nbytes // size)
             numel = per_rank * n if kind == "all_to_all" else per_rank
-            cases.append((kind, per_rank, torch.ones(numel, dtype=dtype, device=device)))
+            cases.append((name, kind, per_rank, torch.ones(numel, dtype=dtype, device=device)))
     times: list[list[float]] = [[] for _ in cases]
+    runs = [True] * len(cases)  # False: a size longest_s leaves out, on every rank alike
     # Round by round over every case rather than case by case: a burst of load from elsewhere on
     # the machine then spreads over the sizes instead of bending the fit at one of them.
     for attempt in range(repeats + 1):  # the first round is a warm-up: connections, buffers
-        for (name, per_rank, x), seconds in zip(cases, times, strict=True):
+        for index, (_, kind, per_rank, x) in enumerate(cases):
+            if not runs[index]:
+                continue
             comm.allreduce(tiny).wait()  # start together, as far as one small message can tell
             synchronize(device)
             started = clock.mark()
-            issue(comm, name, x, per_rank).wait()
+            issue(comm, kind, x, per_rank).wait()
             ended = clock.mark()
             if attempt:
-                seconds.append(clock.seconds(started, ended))
+                times[index].append(clock.seconds(started, ended))
+                continue
+            k = index % len(sizes)  # this size's place; the next case is the next size
+            if longest_s is not None and 2 <= k < len(sizes) - 1:
+                (slowest,) = slowest_rank(comm, [clock.seconds(started, ended)], device)  # agreed
+                if slowest * sizes[k + 1] / sizes[k] > longest_s:
+                    runs[index + 1 : index + len(sizes) - k] = [False] * (len(sizes) - 1 - k)
     measured: dict[str, tuple[list[int], list[float]]] = {name: ([], []) for name in names}
-    case_names = [name for name in names for _ in sizes]
-    for name, (_, _, x), seconds in zip(case_names, cases, times, strict=True):
-        measured[name][0].append(x.nbytes)
-        measured[name][1].append(statistics.median(seconds))
+    for (name, _, _, x), seconds in zip(cases, times, strict=True):
+        if seconds:
+            measured[name][0].append(x.nbytes)
+            measured[name][1].append(statistics.median(seconds))
     return measured
 
 
@@ -103,6 +119,7 @@ def probe_collectives(
     repeats: int = 5,
     device: str | torch.device = "cpu",
     names: Sequence[str] = COLLECTIVES,
+    longest_s: float | None = None,
 ) -> dict[str, LinearFit]:
     """Alpha-beta fits of "allreduce", "allgather" and "all_to_all": seconds vs bytes per rank.
 
@@ -110,7 +127,7 @@ def probe_collectives(
     rank for allgather, and that many from each rank split evenly over the ranks for all_to_all.
     Each time is this rank's median over `repeats`, then the slowest rank's: every rank gets the
     same fits, so plans made from them agree. Every rank must call it with the same arguments.
-    A world of one needs no collectives: every fit is zero.
+    A world of one needs no collectives: every fit is zero. `longest_s`: as measure_collectives.
 
     Example:
         >>> fits = probe_collectives(TorchComm())
@@ -120,13 +137,11 @@ def probe_collectives(
         collective_kind(name)  # a bad name fails on every rank before any collective
     if comm.world_size == 1:
         return {name: zero_fit() for name in names}
-    measured = measure_collectives(comm, sizes, repeats, device, names)
-    slowest = slowest_rank(comm, [s for name in names for s in measured[name][1]], device)
-    fits = {}
-    for i, name in enumerate(names):
-        nbytes = measured[name][0]
-        fits[name] = fit_linear(nbytes, slowest[i * len(nbytes) : (i + 1) * len(nbytes)])
-    return fits
+    measured = measure_collectives(comm, sizes, repeats, device, names, longest_s)
+    slowest = iter(slowest_rank(comm, [s for name in names for s in measured[name][1]], device))
+    return {
+        name: fit_linear(nbytes, [next(slowest) for _ in nbytes]) for name, (nbytes, _) in measured.items()
+    }
 
 
 def slowest_rank(comm: Comm, values: Sequence[float], device: str | torch.device = "cpu") -> list[float]:

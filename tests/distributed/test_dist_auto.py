@@ -29,11 +29,12 @@ from gradsync.plan import Plan
 
 WORLD = 2
 CODEC = {"compressor": "topk", "compressor_args": {"ratio": 0.1}}
-PROBE_FROM = max(tuner.MEASURED + 1, config().warmup_steps)
+PROBE_FROM = max(tuner.PLANNED, config().warmup_steps)
 ROUND = autoplan.CANDIDATES * tuner.STEPS_EACH  # the first round's steps (the model has 4 candidates)
 ADOPTED_AT = PROBE_FROM + ROUND + 2 * tuner.STEPS_EACH  # a runoff, always (module docstring)
 SAVE_AT = {
     "measuring": 3,
+    "measured": tuner.PLANNED,  # after the measuring step, before the candidates are made
     "probing": PROBE_FROM + tuner.STEPS_EACH + 1,
     "round's end": PROBE_FROM + ROUND,
     "runoff": PROBE_FROM + ROUND + tuner.STEPS_EACH + 1,
@@ -206,6 +207,11 @@ def test_a_checkpoint_resumes_plan_auto_in_the_phase_it_was_taken(auto_runs: lis
     measuring = restored[SAVE_AT["measuring"]]["auto"]
     assert measuring["measured_from_step"] == SAVE_AT["measuring"]
     assert measuring["adopted_at_step"] is not None and restored[SAVE_AT["measuring"]]["plan"] is not None
+    # Taken once measured but before planning (what the measuring step found is not saved): the
+    # same, its candidates made a measuring step later than the saved run's.
+    measured = restored[SAVE_AT["measured"]]["auto"]
+    assert measured["measured_from_step"] == SAVE_AT["measured"]
+    assert measured["probed_from_step"] == SAVE_AT["measured"] + tuner.PLANNED > auto["probed_from_step"]
     # The same in the process that had adopted: its timer's hooks are back, its steps timed anew.
     rolled = restored["rolled back"]["auto"]
     assert rolled["measured_from_step"] == SAVE_AT["measuring"]
