@@ -96,15 +96,17 @@ class CompressionPoint:
         if self.shard_error is not None and type(self.feedback).holds_back:
             self.shard_error.mul_(ratio)
 
-    def held_back(self, rank: int, world_size: int) -> torch.Tensor | None:
+    def hand_over(self, rank: int, world_size: int) -> torch.Tensor | None:
         """Everything this point holds back of the gradient, shaped like the group, in this rank's
-        share's units (Feedback.held_back): the residual memory, and, where this rank owns a shard
-        of a two-shot exchange, the memory of re-encoding that shard's sum (added to one rank's
-        share, it reaches the average whole). None where the memory holds nothing back as such."""
+        share's units (Feedback.held_back), for a plan that replaces the point: the residual
+        memory, and, where this rank owns a shard of a two-shot exchange, the memory of
+        re-encoding that shard's sum (added to one rank's share, it reaches the average whole).
+        The memory itself, the shard's added into it, not a copy (a fresh one of a group's size
+        costs its page faults in the step of the hand-over): the point must not run again. None
+        where the memory holds nothing back as such."""
         memory = self.feedback.held_back()
         if memory is None:
             return None
-        memory = memory.clone()
         if self.shard_error is not None:
             start, end = exchange.shard_bounds(self.numel, world_size)[rank]
             memory.view(-1)[start:end].add_(self.shard_error)
@@ -543,7 +545,7 @@ class SyncState:
         comm = self._comm()
         for group, point in self.points.items():
             self._follow_learning_rate(point, self.step)  # carried into this step's gradients
-            memory = point.held_back(comm.rank, comm.world_size)
+            memory = point.hand_over(comm.rank, comm.world_size)  # the points are dropped next
             if memory is None:
                 continue
             params = self.layout[group]

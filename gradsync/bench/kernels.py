@@ -190,11 +190,11 @@ def to_json(results: Sequence[KernelResult], meta: dict[str, Any]) -> dict[str, 
     return {"meta": meta, "results": [dataclasses.asdict(r) for r in results]}
 
 
-def write_json(results: Sequence[KernelResult], meta: dict[str, Any], path: str | Path) -> Path:
-    """Write `to_json(results, meta)` to `path`, creating its parent directory."""
+def write_json(document: dict[str, Any], path: str | Path) -> Path:
+    """Write a results document (to_json's) to `path`, creating its parent directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_json(results, meta), indent=2) + "\n")
+    path.write_text(json.dumps(document, indent=2) + "\n")
     return path
 
 

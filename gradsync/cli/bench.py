@@ -72,9 +72,9 @@ def _bench_kernels(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         device=args.device,
     )
-    meta = kernels.metadata(args.numel, args.threads, args.repeats, args.device)
-    print(kernels.table(kernels.to_json(results, meta)))
-    path = kernels.write_json(results, meta, args.json)
+    document = kernels.to_json(results, kernels.metadata(args.numel, args.threads, args.repeats, args.device))
+    print(kernels.table(document))  # the table `gradsync bench tables` publishes from the file
+    path = kernels.write_json(document, args.json)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

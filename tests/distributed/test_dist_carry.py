@@ -50,7 +50,11 @@ def _train(rank: int, world: int, carry: bool, skip: int | None = None) -> dict:
     for step in range(STEPS_EACH):
         applied += state.sync(rank_gradient(rank, step, numel), 0, True, params=[0, 1, 2, 3]).wait().double()
     owned_at_switch = float(state.points[0].shard_error.abs().max())  # type: ignore[union-attr]
+    memory = state.points[0].feedback.held_back()
     state.use_plan(after, carry=carry)
+    # Handed over as it is, the owner's shard memory added into it: no group-sized copy.
+    storage = memory.untyped_storage().data_ptr()
+    in_place = all(t.untyped_storage().data_ptr() == storage for t in state._carry.values())
     for step in range(STEPS_EACH, 2 * STEPS_EACH):
         g = rank_gradient(rank, step, numel)
         if step == skip and rank == 1:
@@ -64,7 +68,7 @@ def _train(rank: int, world: int, carry: bool, skip: int | None = None) -> dict:
             raise AssertionError(f"step {step}'s average should be non-finite on every rank")
     held = torch.cat(
         [
-            state.points[g].held_back(rank, world).double()  # type: ignore[union-attr]
+            state.points[g].hand_over(rank, world).double()  # type: ignore[union-attr]
             if g in state.points
             else torch.zeros(n, dtype=torch.float64)  # uncompressed: nothing held back
             for g, n in ((0, 2040), (1, numel - 2040))
@@ -74,6 +78,7 @@ def _train(rank: int, world: int, carry: bool, skip: int | None = None) -> dict:
         "applied": applied,
         "held": held,
         "owned_at_switch": owned_at_switch,
+        "carried_in_place": carry and in_place,
         "collectives": [g["collective"] for g in state.stats()["groups"]],
     }
 
@@ -103,6 +108,7 @@ def test_a_plan_adopted_with_carry_loses_nothing_the_old_plan_held_back(
     second = "two-shot" if case == "carried" else "allreduce"
     assert all(out["collectives"] == ["two-shot", second] for out in carried)
     assert all(out["owned_at_switch"] > 0 for out in carried), "the owners' memories must count"
+    assert all(out["carried_in_place"] for out in carried)
     for out in carried:
         assert torch.equal(out["applied"], carried[0]["applied"])  # every rank applied the same
     wanted = _wanted(carried[0]["applied"].numel(), STEPS_EACH if case == "skipped" else None)
