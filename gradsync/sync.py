@@ -219,15 +219,16 @@ class SyncState:
 
         The earlier points are dropped; with `carry`, what their residual memories (error_feedback
         "ef") hold back is first carried, per parameter, into the next step's gradients, so that
-        nothing compression held back is lost (Feedback.held_back). Other memory forms (EF21's and
-        EControl's mirrors, momentum correction's velocities, DGC's accumulators) cannot be split
-        that way and start afresh."""
+        nothing compression held back is lost (Feedback.held_back): the memories themselves are
+        handed over (CompressionPoint.hand_over), so a point of the old plan, held elsewhere, is
+        spent. Other memory forms (EF21's and EControl's mirrors, momentum correction's
+        velocities, DGC's accumulators) cannot be split that way and start afresh."""
+        dropped, self.points = self.points, {}  # dropped first: none runs again, even where carrying fails
         if carry:
-            self._carry_memories()
+            self._carry_memories(dropped)
         self.plan = plan
         self._strategies = list(plan.strategies)
         self.layout = {index: tuple(group.params) for index, group in enumerate(plan.groups)}
-        self.points = {}
         self._executed = {}
 
     def close(self) -> None:
@@ -539,13 +540,14 @@ class SyncState:
             offset += shape.numel()
         return tables if offset == numel else []
 
-    def _carry_memories(self) -> None:
-        if not self.points:  # nothing held (and maybe no process group bound yet)
+    def _carry_memories(self, points: Mapping[int, CompressionPoint]) -> None:
+        """What `points` (of the plan in self.layout) hold back, into self._carry per parameter."""
+        if not points:  # nothing held (and maybe no process group bound yet)
             return
         comm = self._comm()
-        for group, point in self.points.items():
+        for group, point in points.items():
             self._follow_learning_rate(point, self.step)  # carried into this step's gradients
-            memory = point.hand_over(comm.rank, comm.world_size)  # the points are dropped next
+            memory = point.hand_over(comm.rank, comm.world_size)  # dropped: none runs again
             if memory is None:
                 continue
             params = self.layout[group]

@@ -8,7 +8,7 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
                       step's forward pass starts and ends and when each gradient is ready
                       (`StepTimer`); steps r+2 .. are counted (r: DDP's first iteration, r+1: its
                       first on rebuilt buckets, slower by one-off allocations).
-  step r+MEASURED+1   the measuring step, uncompressed: at its start every rank measures the
+  step r+MEASURING    the measuring step, uncompressed: at its start every rank measures the
                       collectives and each codec of the strategy space; with the compute timeline,
                       the slowest rank's numbers make a measured cluster. As its buckets go by,
                       rank 0 compresses each gradient at every level of the compressor and notes
@@ -16,7 +16,7 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
                       cost of measuring falls in this one step, already long, rather than lengthen
                       another.
   start of step r+PLANNED  gradsync.autoplan ranks the candidate plans from those numbers (rank
-                      0's list, sent to all: every rank tries the same).
+                      0's list, sent to all: every rank tries the same; a few ms and one gather).
   probing             from the later of that step and config.warmup_steps: each of at most
                       CANDIDATES candidates runs STEPS_EACH steps for real, one after the other;
                       a step's time is from its forward pass's start to its last exchange's end
@@ -78,7 +78,8 @@ from .sync import SyncState, averaged
 log = logging.getLogger("gradsync")
 
 MEASURED = 4  # steps of a timeline measurement, the first two not counted
-PLANNED = MEASURED + 2  # the first step a candidate can run: after the timeline and the measuring step
+MEASURING = MEASURED + 1  # the measuring step (module docstring)
+PLANNED = MEASURING + 1  # the first step a candidate can run
 STEPS_EACH = 3  # probe steps per candidate; the first (allocations, codec set-up) is not counted
 # Collective sizes (bytes per rank) and codec sizes (elements) for the start-up fits: fewer and
 # smaller than gradsync.profile's defaults, to keep start-up short.
@@ -302,11 +303,10 @@ class AutoState(SyncState):
         if self.done:  # the timer is closed: nothing more to note, nor to keep
             return
         self._forward[step] = len(self.timer.forward_start) - 1
-        if self.probe_from is None:
-            if step == self.measure_from + MEASURED + 1:
-                self._measure(range(self.measure_from + 2, step + 1))  # this step's start ends the last
-            elif step == self.measure_from + PLANNED and self._measurement is not None:
-                self._make_candidates(self._measurement)
+        if self.probe_from is None and step == self.measure_from + MEASURING:
+            self._measure(range(self.measure_from + 2, step + 1))  # this step's start ends the last
+        elif self.probe_from is None and step == self.measure_from + PLANNED:
+            self._make_candidates()
         if self.probe_from is None or step < self.probe_from:
             return
         probed = step - 1 - self.probe_from  # the probe step that just ended
@@ -454,7 +454,7 @@ class AutoState(SyncState):
 
     def measuring(self) -> bool:
         """Whether this step is the measuring step (module docstring)."""
-        return self.probe_from is None and self.step == self.measure_from + MEASURED + 1
+        return self.probe_from is None and self.step == self.measure_from + MEASURING
 
     def _measure(self, steps: Sequence[int]) -> None:
         indices = [self._forward[k] for k in steps if k in self._forward]
@@ -462,9 +462,10 @@ class AutoState(SyncState):
         self._errors = {}
         self.timer.stop_gradients()
 
-    def _make_candidates(self, measured: Measured) -> None:
+    def _make_candidates(self) -> None:
+        assert self._measurement is not None, "the measuring step comes first"
         comm = self._comm()
-        found = with_errors(measured, self.config, self._errors)
+        found = with_errors(self._measurement, self.config, self._errors)
         # DDP's buckets of the last step (at a step's start, before its first bucket is noted).
         latest = max((seen for seen, _ in self._ddp_layout.values()), default=None)
         buckets = [group for i, (seen, group) in sorted(self._ddp_layout.items()) if seen == latest]

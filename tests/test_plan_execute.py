@@ -178,19 +178,25 @@ def test_plan_auto_measures_compression_errors_in_its_measuring_step_alone(
     # Every one-off cost of measuring falls in the one step that probes the collectives and codecs
     # (already long), not in another: the errors are taken as that step's buckets go by, and the
     # candidates made at the next step's start keep to their budget.
-    model = DistributedDataParallel(Net())
+    model = DistributedDataParallel(Net(), bucket_cap_mb=0.001)  # 1 KB: buckets of one or two
     state = gradsync.register(model, config(plan="auto", compressor="qsgd"))
     assert isinstance(state, AutoState)
-    at: list[int] = []
+    at: list[tuple[int, tuple[int, ...]]] = []  # (step, the parameters measured) per bucket
     error_levels = tuner.error_levels
-    monkeypatch.setattr(tuner, "error_levels", lambda g, c: at.append(state.step) or error_levels(g, c))
+
+    def noted(gradients: dict[int, torch.Tensor], config: SyncConfig) -> dict[int, dict[str, float]]:
+        at.append((state.step, tuple(gradients)))
+        return error_levels(gradients, config)
+
+    monkeypatch.setattr(tuner, "error_levels", noted)
     _train(model, tuner.PLANNED)
-    assert at and set(at) == {tuner.MEASURED + 1} and state.candidates == []
+    assert len(at) > 1 and {step for step, _ in at} == {tuner.MEASURING} and state.candidates == []
+    assert sorted(p for _, params in at for p in params) == list(range(len(list(model.parameters()))))
     _train(model, 1, first=tuner.PLANNED)
     assert state.candidates and state.probe_from == max(tuner.PLANNED, state.config.warmup_steps)
     compressing = [p for p in state.candidates if any(s.compressed for s in p.strategies)]
     assert compressing and all(p.meta["error_budget"] > 0 for p in compressing)
-    assert set(at) == {tuner.MEASURED + 1}
+    assert {step for step, _ in at} == {tuner.MEASURING}
 
 
 @pytest.mark.parametrize("turns", [False, True], ids=["runoff-confirms", "runoff-turns"])

@@ -326,41 +326,57 @@ def test_the_hook_is_timed_only_where_it_compresses() -> None:
 
 
 class SlowLink(LocalComm):
-    """Two ranks, both this process, on a link of 100 MB/s with 0.2 ms for each collective."""
+    """Two ranks, both this process, on a link of 100 MB/s with `latency_s` for each collective.
+    An all_to_all sends half its bytes (the other half stays here), and the other rank's numbers
+    (slowest_rank's float64 gathers) are `other` times this rank's."""
 
     world_size = 2
 
-    def _transfer(self, *tensors: torch.Tensor) -> None:
-        time.sleep(2e-4 + sum(t.nbytes for t in tensors) / 1e8)
+    def __init__(self, other: float = 1.0, latency_s: float = 2e-4) -> None:
+        self.other, self.latency_s = other, latency_s
+
+    def _transfer(self, nbytes: int) -> None:
+        time.sleep(self.latency_s + nbytes / 1e8)
 
     def allreduce(self, tensor: torch.Tensor) -> Any:
-        self._transfer(tensor)
+        self._transfer(tensor.nbytes)
         return completed(tensor)
 
     def allgather(self, tensor: torch.Tensor) -> Any:
-        self._transfer(tensor)
-        return completed([tensor, tensor])
+        self._transfer(tensor.nbytes)
+        return completed([tensor, tensor * self.other if tensor.dtype == torch.float64 else tensor])
 
     def all_to_all(self, parts: list[torch.Tensor], recv_numels: list[int]) -> Any:
-        self._transfer(*parts)
+        self._transfer(sum(part.nbytes for part in parts) // 2)
         return completed(list(parts))
 
 
 def test_probes_leave_out_the_sizes_a_bandwidth_bound_link_would_spend_longest_s_on() -> None:
-    sizes = (1 << 22, 1 << 12, 1 << 20, 1 << 16)  # any order: measured smallest first
+    sizes = (1 << 22, 1 << 12, 1 << 20, 1 << 16, 1 << 18)  # any order: measured smallest first
     every = profile.measure_collectives(SlowLink(), sizes, repeats=1)
     assert all(nbytes == sorted(sizes) for nbytes, _ in every.values())
-    # 1 MiB takes about 10 ms here, so 4 MiB would take 40: past 25 ms, it is left out, for every
-    # collective; a limit it would not pass leaves every size in. The three smallest always run.
-    cut = profile.measure_collectives(SlowLink(), sizes, repeats=1, longest_s=0.025)
-    assert all(nbytes == sorted(sizes)[:3] for nbytes, _ in cut.values())
-    loose = profile.measure_collectives(SlowLink(), sizes, repeats=1, longest_s=0.1)
-    assert all(nbytes == sorted(sizes) for nbytes, _ in loose.values())
-    tight = profile.measure_collectives(SlowLink(), sizes, repeats=1, longest_s=1e-6)
-    assert all(nbytes == sorted(sizes)[:3] for nbytes, _ in tight.values())
+
+    def ran(other: float, longest_s: float) -> dict[str, int]:
+        found = profile.measure_collectives(SlowLink(other), sizes, repeats=1, longest_s=longest_s)
+        return {name: len(nbytes) for name, (nbytes, _) in found.items()}
+
+    # 1 MiB takes about 11 ms, so the line through 256 KiB and 1 MiB puts 4 MiB at about 42 ms:
+    # past 25 ms it is left out, where all_to_all's half (about 21 ms) is not.
+    assert ran(1.0, 0.025) == {"allreduce": 4, "allgather": 4, "all_to_all": 5}
+    # The slowest rank's times decide: a limit this rank's would stay under, the other's passes.
+    assert ran(1.0, 0.08) == {"allreduce": 5, "allgather": 5, "all_to_all": 5}
+    assert ran(3.0, 0.08) == {"allreduce": 4, "allgather": 4, "all_to_all": 5}
+    # The three smallest always run.
+    assert ran(1.0, 1e-6) == {"allreduce": 3, "allgather": 3, "all_to_all": 3}
+    # Where the latency dominates (1 MiB takes under twice what 4 KiB does), the line's slope is
+    # not measured yet: every size runs, however long.
+    far = profile.measure_collectives(
+        SlowLink(latency_s=0.02), sizes, 1, names=["allreduce"], longest_s=0.025
+    )
+    assert far["allreduce"][0] == sorted(sizes)
     # The fits from the sizes left still find the link's rate.
     fits = profile.probe_collectives(SlowLink(), sizes, repeats=1, longest_s=0.025)
-    assert all(fit.points == 3 and fit.per_unit_s == pytest.approx(1e-8, rel=0.3) for fit in fits.values())
+    assert fits["allreduce"].points == 4 and fits["allreduce"].per_unit_s == pytest.approx(1e-8, rel=0.3)
 
 
 def test_collectives_may_name_their_dtype() -> None:

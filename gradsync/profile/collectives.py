@@ -44,10 +44,11 @@ def measure_collectives(
     Every rank must call it with the same arguments. Sizes are rounded to whole elements (and
     all_to_all's to a whole number of elements per rank), at least one; the bytes returned are
     those actually sent. A name may carry a dtype, "allreduce:float16"; the default is fp32.
-    `longest_s`: a size is not run where its time, scaled from the next smaller size's warm-up on
-    the slowest rank, would pass this; the three smallest always run. There the collective is
-    bandwidth-bound already, and a larger size would cost its repeats' time for no new point
-    of the line (a slow link's largest probes are most of plan="auto"'s measuring step).
+    `longest_s`: a size is not run where the collective is bandwidth-bound already and the line
+    through the two sizes before it (their warm-ups, the slowest rank's) puts it past this
+    (_bandwidth_bound); the three smallest always run. It would cost its repeats' time for no
+    new point of the line (a slow link's largest probes were most of plan="auto"'s measuring
+    step).
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
@@ -56,41 +57,61 @@ def measure_collectives(
     n = comm.world_size
     tiny = torch.zeros(1, device=device)
     sizes = sorted(sizes)
-    cases = []  # (name, collective, elements each rank sends to each peer, input)
+    cases = []  # (name, collective, elements each rank sends to each peer, elements, dtype, bytes)
     for name in names:
         kind, dtype = collective_kind(name)
         size = torch.empty((), dtype=dtype).element_size()
         for nbytes in sizes:
             per_rank = max(1, nbytes // (size * n)) if kind == "all_to_all" else max(1, nbytes // size)
             numel = per_rank * n if kind == "all_to_all" else per_rank
-            cases.append((name, kind, per_rank, torch.ones(numel, dtype=dtype, device=device)))
+            cases.append((name, kind, per_rank, numel, dtype, numel * size))
+    inputs: dict[int, torch.Tensor] = {}  # made as a case first runs: a size left out costs nothing
     times: list[list[float]] = [[] for _ in cases]
+    warmed = [0.0] * len(cases)  # this rank's warm-up time of each case
     runs = [True] * len(cases)  # False: a size longest_s leaves out, on every rank alike
     # Round by round over every case rather than case by case: a burst of load from elsewhere on
     # the machine then spreads over the sizes instead of bending the fit at one of them.
     for attempt in range(repeats + 1):  # the first round is a warm-up: connections, buffers
-        for index, (_, kind, per_rank, x) in enumerate(cases):
+        for index, (_, kind, per_rank, numel, dtype, _) in enumerate(cases):
             if not runs[index]:
                 continue
+            if index not in inputs:
+                inputs[index] = torch.ones(numel, dtype=dtype, device=device)
             comm.allreduce(tiny).wait()  # start together, as far as one small message can tell
             synchronize(device)
             started = clock.mark()
-            issue(comm, kind, x, per_rank).wait()
+            issue(comm, kind, inputs[index], per_rank).wait()
             ended = clock.mark()
             if attempt:
                 times[index].append(clock.seconds(started, ended))
                 continue
+            warmed[index] = clock.seconds(started, ended)
             k = index % len(sizes)  # this size's place; the next case is the next size
             if longest_s is not None and 2 <= k < len(sizes) - 1:
-                (slowest,) = slowest_rank(comm, [clock.seconds(started, ended)], device)  # agreed
-                if slowest * sizes[k + 1] / sizes[k] > longest_s:
-                    runs[index + 1 : index + len(sizes) - k] = [False] * (len(sizes) - 1 - k)
+                first = index - k  # this collective's smallest size
+                agreed = slowest_rank(comm, [warmed[first], warmed[index - 1], warmed[index]], device)
+                nbytes = [case[-1] for case in cases[index - 1 : index + 2]]
+                if _bandwidth_bound(agreed, nbytes, longest_s):
+                    runs[index + 1 : first + len(sizes)] = [False] * (len(sizes) - 1 - k)
     measured: dict[str, tuple[list[int], list[float]]] = {name: ([], []) for name in names}
-    for (name, _, _, x), seconds in zip(cases, times, strict=True):
+    for (name, *_, nbytes), seconds in zip(cases, times, strict=True):
         if seconds:
-            measured[name][0].append(x.nbytes)
+            measured[name][0].append(nbytes)
             measured[name][1].append(statistics.median(seconds))
     return measured
+
+
+def _bandwidth_bound(seconds: Sequence[float], nbytes: Sequence[int], longest_s: float) -> bool:
+    """Whether a collective's next size may be left out: `seconds` of its smallest size, the size
+    before this one and this one, `nbytes` of the size before, this one and the next. Where this
+    size took twice the smallest's (bandwidth is at least half of it, so the line's slope shows)
+    and the line through the last two would put the next past `longest_s`, the next would cost
+    its repeats' time for no new point of that line."""
+    smallest, before, now = seconds
+    if nbytes[1] <= nbytes[0] or now < 2 * smallest:
+        return False
+    per_byte = max(0.0, now - before) / (nbytes[1] - nbytes[0])
+    return now + per_byte * (nbytes[2] - nbytes[1]) > longest_s
 
 
 def collective_kind(name: str) -> tuple[str, torch.dtype]:

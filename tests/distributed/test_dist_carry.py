@@ -54,7 +54,9 @@ def _train(rank: int, world: int, carry: bool, skip: int | None = None) -> dict:
     state.use_plan(after, carry=carry)
     # Handed over as it is, the owner's shard memory added into it: no group-sized copy.
     storage = memory.untyped_storage().data_ptr()
-    in_place = all(t.untyped_storage().data_ptr() == storage for t in state._carry.values())
+    in_place = bool(state._carry) and all(
+        t.untyped_storage().data_ptr() == storage for t in state._carry.values()
+    )
     for step in range(STEPS_EACH, 2 * STEPS_EACH):
         g = rank_gradient(rank, step, numel)
         if step == skip and rank == 1:
