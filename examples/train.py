@@ -9,7 +9,7 @@ settings a user would write first. `gradsync bench script` runs it on emulated h
 
 Rank 0 prints one JSON line per step ({"step", "step_s", "loss"}) and, with --json, writes the
 run's step times, its CPU time per step (every thread of rank 0's process), held-out losses and,
-for plan="auto", the plan it adopted there.
+for plan="auto", the plan it adopted there and the candidates it tried.
 """
 
 from __future__ import annotations
@@ -145,6 +145,12 @@ def main() -> None:
                     "cpu_s": cpu_s,
                     "evals": evals,
                     "plan": auto["chosen"] if auto else None,  # what plan="auto" adopted
+                    # ... and each candidate it tried, with rank 0's counted steps (probe order)
+                    "tried": [
+                        {"label": c["label"], "measured_s": c["measured_s"]} for c in auto["candidates"]
+                    ]
+                    if auto
+                    else None,
                 },
                 out,
             )

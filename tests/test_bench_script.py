@@ -76,9 +76,15 @@ def test_the_plans_auto_adopted_are_kept_round_by_round_and_named_under_the_tabl
     options = script.ScriptOptions(steps=STEPS)
     raw = {"ddp": [[1.0] * STEPS] * 2, "gradsync-auto": [[0.5] * STEPS] * 2}
     plans = {"ddp": [None, None], "gradsync-auto": ["int4, DDP buckets", "per-group plan 1 (4 groups)"]}
-    doc = script.summarize(raw, table_meta(options), options, None, plans)
+    # ... with the candidates each round tried, as the script records them (rank 0's counted steps)
+    tried = {
+        "ddp": [None, None],
+        "gradsync-auto": [[{"label": "int4, DDP buckets", "measured_s": [0.5, 0.49]}]] * 2,
+    }
+    doc = script.summarize(raw, table_meta(options), options, None, plans, tried)
     runs = {r["sync"]: r for r in doc["runs"]}
     assert runs["gradsync-auto"]["adopted"] == plans["gradsync-auto"] and runs["ddp"]["adopted"] is None
+    assert runs["gradsync-auto"]["tried"] == tried["gradsync-auto"] and runs["ddp"]["tried"] is None
     caption = script.table(doc).splitlines()[-1]
     assert (
         "gradsync-auto adopted 'int4, DDP buckets' (round 1); 'per-group plan 1 (4 groups)' (round 2)."

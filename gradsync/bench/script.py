@@ -99,6 +99,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
     raw: dict[str, list[list[float]]] = {sync: [] for sync in options.syncs}
     cpu: dict[str, list[list[float]]] = {sync: [] for sync in options.syncs}
     plans: dict[str, list[str | None]] = {sync: [] for sync in options.syncs}
+    tried: dict[str, list[Any]] = {sync: [] for sync in options.syncs}
     params = None
     made = report.provenance()  # the code every run is about to import, not what is there after
     with tempfile.TemporaryDirectory(prefix="gradsync-script-") as tmp:
@@ -108,6 +109,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
                 raw[sync].append(found["step_s"])
                 cpu[sync].append(found.get("cpu_s", []))  # a script may not record it
                 plans[sync].append(found.get("plan"))  # what plan="auto" adopted, where it says
+                tried[sync].append(found.get("tried"))  # and the candidates it tried
                 params = found["params"]
                 steady = found["step_s"][options.steady_from_for(sync) :]
                 say(f"{sync} (round {round_ + 1}): median step {statistics.median(steady):.3f} s")
@@ -117,7 +119,7 @@ def run(options: ScriptOptions, network: Network, say: Callable[[str], None] = p
         "network": network.to_dict(),
         "params": params,
     }
-    return summarize(raw, meta, options, cpu, plans)
+    return summarize(raw, meta, options, cpu, plans, tried)
 
 
 def _run_one(options: ScriptOptions, network: Network, sync: str, stem: Path) -> dict[str, Any]:
@@ -136,11 +138,13 @@ def summarize(
     options: ScriptOptions,
     cpu: dict[str, list[list[float]]] | None = None,
     plans: dict[str, list[str | None]] | None = None,
+    tried: dict[str, list[Any]] | None = None,
 ) -> dict[str, Any]:
     """Per way: the median and p90 step after its steady_from, over every round; the median of
     the first FIRST_STEPS steps; the p90 of plan="auto"'s planning steps; where `cpu` holds rank
-    0's CPU seconds of each step, their median after its steady_from (else None); and where
-    `plans` names the plan a way adopted in each round (plan="auto"), those. Pure."""
+    0's CPU seconds of each step, their median after its steady_from (else None); where `plans`
+    names the plan a way adopted in each round (plan="auto"), those; and where `tried` holds the
+    candidates it tried in each round (label, rank 0's counted steps), those. Pure."""
     runs = []
     for sync, rounds in raw.items():
         start = options.steady_from_for(sync)
@@ -159,6 +163,7 @@ def summarize(
                 "planning_p90_s": quantile(planning, 0.9) if sync == "gradsync-auto" else None,
                 "cpu_median_s": statistics.median(cpu_steady) if cpu_steady else None,
                 "adopted": [p for p in (plans or {}).get(sync, []) if p] or None,
+                "tried": [t for t in (tried or {}).get(sync, []) if t] or None,
             }
         )
     by_sync = {r["sync"]: r for r in runs}
