@@ -145,12 +145,8 @@ def main() -> None:
                     "cpu_s": cpu_s,
                     "evals": evals,
                     "plan": auto["chosen"] if auto else None,  # what plan="auto" adopted
-                    # ... and each candidate it tried, with rank 0's counted steps (probe order)
-                    "tried": [
-                        {"label": c["label"], "measured_s": c["measured_s"]} for c in auto["candidates"]
-                    ]
-                    if auto
-                    else None,
+                    # ... and each candidate it tried: label, predicted step, rank 0's counted steps
+                    "tried": auto["candidates"] if auto else None,
                 },
                 out,
             )

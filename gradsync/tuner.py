@@ -84,8 +84,8 @@ STEPS_EACH = 3  # probe steps per candidate; the first (allocations, codec set-u
 # Collective sizes (bytes per rank) and codec sizes (elements) for the start-up fits: fewer and
 # smaller than gradsync.profile's defaults, to keep start-up short.
 COLLECTIVE_NBYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
-# A collective whose next size would take longer than this is bandwidth-bound already: that size
-# is left out (profile.measure_collectives). On a 1 Gbit/s link every 4 MiB probe is.
+# A collective's next probe size is left out where the collective is bandwidth-bound already and
+# that size would take longer than this (profile.measure_collectives). On 1 Gbit/s, every 4 MiB one.
 LONGEST_PROBE_S = 0.025
 CODEC_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20)
 REPEATS = 3
@@ -185,8 +185,8 @@ def measure(
     steps: Sequence[int],
 ) -> Measured:
     """The compute timeline of `steps` and this cluster's collective and codec costs; every number
-    the slowest rank's (no errors: with_errors() adds them). Every rank must call it at the same
-    point."""
+    the slowest rank's (no errors: the planner's budget is added once they are taken). Every rank
+    must call it at the same point."""
     device = timer.device
     forward_s, backward_s, optimizer_s, ready = timer.timeline(steps)
     values = [forward_s, backward_s, optimizer_s] + [ready.get(i, -1.0) for i in range(len(timer.params))]
@@ -215,14 +215,6 @@ def measure(
         comm.world_size, fits, compression, hook, name=f"{comm.world_size} measured ranks"
     )
     return Measured(compute, dataclasses.replace(where, device=host), tuple(order))
-
-
-def with_errors(
-    measured: Measured, config: SyncConfig, errors: Mapping[int, Mapping[str, float]] | None
-) -> Measured:
-    """`measured` with the budget of `errors` (per parameter position, each level's compression
-    error on its gradient: error_levels), where this rank measured them."""
-    return dataclasses.replace(measured, errors=budget(config, errors, measured.params))
 
 
 def lossy_specs(config: SyncConfig) -> list[str]:
@@ -303,7 +295,7 @@ class AutoState(SyncState):
         if self.done:  # the timer is closed: nothing more to note, nor to keep
             return
         self._forward[step] = len(self.timer.forward_start) - 1
-        if self.probe_from is None and step == self.measure_from + MEASURING:
+        if self.measuring(step):
             self._measure(range(self.measure_from + 2, step + 1))  # this step's start ends the last
         elif self.probe_from is None and step == self.measure_from + PLANNED:
             self._make_candidates()
@@ -452,9 +444,9 @@ class AutoState(SyncState):
         # the config's own level, as a gradient that was not measured.
         self._errors.update(error_levels(dict(zip(params, bucket.gradients(), strict=True)), self.config))
 
-    def measuring(self) -> bool:
-        """Whether this step is the measuring step (module docstring)."""
-        return self.probe_from is None and self.step == self.measure_from + MEASURING
+    def measuring(self, step: int) -> bool:
+        """Whether `step` is the measuring step (module docstring)."""
+        return self.probe_from is None and step == self.measure_from + MEASURING
 
     def _measure(self, steps: Sequence[int]) -> None:
         indices = [self._forward[k] for k in steps if k in self._forward]
@@ -465,7 +457,9 @@ class AutoState(SyncState):
     def _make_candidates(self) -> None:
         assert self._measurement is not None, "the measuring step comes first"
         comm = self._comm()
-        found = with_errors(self._measurement, self.config, self._errors)
+        found = dataclasses.replace(
+            self._measurement, errors=budget(self.config, self._errors, self._measurement.params)
+        )
         # DDP's buckets of the last step (at a step's start, before its first bucket is noted).
         latest = max((seen for seen, _ in self._ddp_layout.values()), default=None)
         buckets = [group for i, (seen, group) in sorted(self._ddp_layout.items()) if seen == latest]
@@ -523,7 +517,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     """DDP communication hook under plan="auto": the start of each step plans, probes or adopts;
     the bucket itself goes through gradsync's hook."""
     state.start_step(state.step)
-    if state.rank == 0 and state.measuring():
+    if state.rank == 0 and state.measuring(state.step):
         state.note_errors(bucket)
     future = hook(state, bucket)
     # Planning: when the step's exchange ended (its index: the step was counted as its last
