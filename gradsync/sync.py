@@ -199,6 +199,10 @@ class SyncState:
         self._ranks_agree = False  # set once every rank's config was compared
         self._compressing = False  # set (and logged) at the first compressed exchange
         self._largest_small = 0  # the largest group left uncompressed for its size
+        # The largest group met so far where groups keep counts of their own (FSDP's modules, whose
+        # steps are their own calls): one at or above min_compress_numel that runs less often than
+        # the others has not reached warmup_steps when they have, and compresses once it does.
+        self._largest_met = 0
         self._said_nothing_compressed = False
         self._momentum_checked = False  # momentum correction's beta against the optimizer's, once
         # Per parameter, what to add to its next gradient (the average's share) before it is
@@ -682,6 +686,7 @@ class SyncState:
         if (
             step == self.config.warmup_steps + 1
             and self._largest_small > 0
+            and self._largest_met < self.config.min_compress_numel
             and not self._compressing
             and not self._said_nothing_compressed
             and self.says_nothing_compressed

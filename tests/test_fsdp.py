@@ -40,6 +40,23 @@ def test_an_fsdp_model_too_small_to_compress_is_said_once_too(
         assert started == ["gradsync: compressing from step 2 on, group 0 first: int4 by two-shot"]
 
 
+def test_a_large_module_that_lags_the_small_ones_is_not_said_uncompressed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Each module counts its own reduce-scatters: one that joins the graph two steps late is at
+    # its step 1 when the small one passes warmup_steps, and compresses once it reaches them.
+    config = SyncConfig(compressor="int4", warmup_steps=2, min_compress_numel=2500)
+    state, comm = ShardedState(config, LocalComm(), torch.nn.Linear(40, 50)), LocalComm()
+    generator = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="gradsync"):
+        for outer in range(6):
+            for group, numel in ((0, 1000), (1, 4000))[: 1 if outer < 2 else 2]:
+                x = torch.randn(numel, generator=generator)
+                state.reduce_scatter(x, torch.empty(numel), group, comm, True)
+    assert not [r for r in caplog.records if "nothing is compressed" in r.getMessage()]
+    assert state.stats()["total"]["compressed_groups"] == 2  # group 1 at its steps 2 and 3
+
+
 @pytest.mark.parametrize("attribute", ["_fsdp_param_groups", "_fsdp_param_group"])
 def test_a_divide_factor_is_found_where_either_torch_keeps_it(attribute: str) -> None:
     # torch 2.13 keeps a list of parameter groups per module; torch before it one group, under
