@@ -84,8 +84,7 @@ class ShardedState(SyncState):
         step = self._calls.get(group, self._resumed_at)
         self._calls[group] = step + 1
         self.step = max(self.step, step + 1)
-        self._largest_met = max(self._largest_met, x.numel())
-        self._say_if_nothing_compressed(step)
+        self._say_if_nothing_compressed(step, x.numel())
         with self._failures_named(f"group {group} at step {step}"):
             self._reduce_scatter(x, out, group, step, comm, average)
 
@@ -141,8 +140,7 @@ class ShardedState(SyncState):
         # model too small to compress would otherwise go unsaid; where it does, the reduce-scatter
         # says it of the whole gradient, and a shard, 1/k of it, may stay below where it is not.
         if group not in self._calls:
-            replicas._largest_met = max(replicas._largest_met, shard.numel())
-            replicas._say_if_nothing_compressed(step)
+            replicas._say_if_nothing_compressed(step, shard.numel())
         with replicas._failures_named(f"group {group}'s replica all-reduce at step {step}"):
             future = replicas._sync_group(shard, group, step, True, None)
             replicas.lane.drain()

@@ -199,10 +199,7 @@ class SyncState:
         self._ranks_agree = False  # set once every rank's config was compared
         self._compressing = False  # set (and logged) at the first compressed exchange
         self._largest_small = 0  # the largest group left uncompressed for its size
-        # The largest group met so far where groups keep counts of their own (FSDP's modules, whose
-        # steps are their own calls): one at or above min_compress_numel that runs less often than
-        # the others has not reached warmup_steps when they have, and compresses once it does.
-        self._largest_met = 0
+        self._largest_met = 0  # the largest group _say_if_nothing_compressed was told of
         self._said_nothing_compressed = False
         self._momentum_checked = False  # momentum correction's beta against the optimizer's, once
         # Per parameter, what to add to its next gradient (the average's share) before it is
@@ -679,10 +676,16 @@ class SyncState:
                 *(step, first, strategy.text, strategy.collective),
             )
 
-    def _say_if_nothing_compressed(self, step: int) -> None:
+    def _say_if_nothing_compressed(self, step: int, numel: int = 0) -> None:
         """Warn once, as the step after the first one allowed to compress begins, where every group
         of that step stayed below min_compress_numel: the one line on a small model compresses
-        nothing, and its user must hear why rather than find it in stats()."""
+        nothing, and its user must hear why rather than find it in stats().
+
+        `numel`: the calling group's size, where groups keep counts of their own (FSDP's modules,
+        whose steps are their own calls). A group at or above min_compress_numel that runs less
+        often than the others has not reached warmup_steps when they have, and compresses once it
+        does: once met, nothing is said."""
+        self._largest_met = max(self._largest_met, numel)
         if (
             step == self.config.warmup_steps + 1
             and self._largest_small > 0
