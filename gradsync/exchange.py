@@ -147,6 +147,7 @@ def start(
     shard_error: torch.Tensor | None = None,
     divisor: int = 1,
     corrected: Corrected | None = None,
+    shard_error_out: torch.Tensor | None = None,
 ) -> Future[Exchanged]:
     """Compress `x`, exchange the payload as `collective` (or, for a sparsifier, by sparse `scheme`)
     and return a future of the decoded sum. By default the collective is the codec's own (as in
@@ -163,7 +164,9 @@ def start(
     non-finite step could poison, and the codec carries NaN and inf by itself (its declared
     preserves_nonfinite), so no rank checks the result: it is decoded as it is, `finite` True.
     `shard_error` (two-shot only): the error memory of this rank's second encoding, shaped like
-    its shard (shard_bounds), updated in place when the step is finite; None: no memory.
+    its shard (shard_bounds), updated in place when the step is finite, or written into
+    `shard_error_out` instead where given (so that the caller can still undo the step); None: no
+    memory.
     `divisor`: `x` is not yet divided by it (the world size) and nothing was added to it: the codec
     divides as it compresses (Compressor.compress_mean), and `x` may be left divided.
     `corrected` (two-shot, a codec that fuses_feedback, `finite`): `x` is a buffer not yet written;
@@ -196,7 +199,9 @@ def start(
         x, divisor = x.div_(divisor), 1
     source = x if finite else torch.zeros_like(x)
     if collective == "two-shot":
-        program = lambda: _two_shot(codec, source, route.comm, finite, out, shard_error, corrected)  # noqa: E731
+        program = lambda: _two_shot(  # noqa: E731
+            codec, source, route.comm, finite, out, shard_error, corrected, shard_error_out
+        )
         return route.lane.run(program, blocking=True, device=x.device)
     if kind.rounds > 1:
         program = lambda: _rounds(codec, source, route.comm, finite, out)  # noqa: E731
@@ -496,6 +501,7 @@ def _two_shot(
     out: torch.Tensor | None,
     shard_error: torch.Tensor | None,
     corrected: Corrected | None = None,
+    shard_error_out: torch.Tensor | None = None,
 ) -> Future[Exchanged]:
     """Every shard encoded and sent to its owner; the owners' sums encoded again and allgathered.
     Waits for the all_to_all before it can encode the sum: runs on the lane's thread."""
@@ -545,7 +551,7 @@ def _two_shot(
         if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in sums)):
             return Exchanged.skipped("two-shot", payload_nbytes, sent, clock.seconds)
         if residual is not None:
-            shard_error.copy_(residual)  # type: ignore[union-attr]
+            (shard_error if shard_error_out is None else shard_error_out).copy_(residual)  # type: ignore[union-attr]
         total = torch.empty_like(x) if out is None else out
         for (lo, hi), shard_sum, shard_ctx in zip(bounds, sums, ctxs, strict=True):
             codec.decompress_into(total.view(-1)[lo:hi], shard_sum, shard_ctx)

@@ -26,7 +26,10 @@ after the other.
 `prepare` (and `defer`) may be given a non-finite `g` (the hook checks what prepare returns, or
 leaves that to a codec whose payload shows it: Compressor.reveals_nonfinite), so it must leave
 every memory as it was (but for creating a zero one where none was yet): it writes only spares,
-and `update` alone changes state. `prepare` returns `g` itself
+and `update` alone changes state. Each memory's next value is written into its spare, which then
+becomes the memory, the old memory the next spare: so `undo`, right after `update`, puts every
+memory back as it was, for a step found skipped after all (another group's average was not
+finite: the optimizer skips the whole step). `prepare` returns `g` itself
 or a tensor that shares no memory with `g`. It divides by the world size n where that costs
 nothing extra: residual feedback writes e + g / n straight into its spare
 buffer and leaves `g` alone; the others divide `g` in place first (they read it in update).
@@ -62,6 +65,9 @@ class Feedback:
     demand, never checkpointed or pickled.
     """
 
+    _spares: dict[str, torch.Tensor] | None = None  # per memory, where its next value is written
+    _kept: tuple[str, ...] = ()  # the memories the last update replaced, which undo() puts back
+
     uses_local: ClassVar[bool] = False  # whether update() calls `local` (or `remove_local_`)
     reads_gradient: ClassVar[bool] = False  # whether update() reads the values of `g`
     # Whether the memory holds back part of the update as such (residual feedback), so that
@@ -86,6 +92,17 @@ class Feedback:
         remove_local_: RemoveLocal | None = None,
     ) -> torch.Tensor:
         return total
+
+    def undo(self) -> None:
+        """Put every memory back as it was before the last update: the step is skipped after all.
+        Only right after that update, before the next prepare (whose spares overwrite what the
+        memories were)."""
+        spares = self._spares or {}
+        for name in self._kept or ():  # None once unpickled
+            before = spares[name]
+            spares[name] = getattr(self, name)
+            setattr(self, name, before)
+        self._kept = ()
 
     def held_back(self) -> torch.Tensor | None:
         """What compression held back of the gradient, in the gradient's units, where the memory
@@ -113,6 +130,7 @@ class Feedback:
             )
         for name, value in state.items():
             setattr(self, name, _copy(value))
+        self._kept = ()  # what the spares held belongs to the memories replaced
 
     def __getstate__(self) -> dict[str, Any]:
         # Spare buffers hold nothing worth keeping; pickled, they would double the state's size.
@@ -120,6 +138,24 @@ class Feedback:
 
     def _state(self) -> dict[str, Any]:
         return {name: value for name, value in vars(self).items() if not name.startswith("_")}
+
+    def _spare(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The buffer the next value of memory `name` is written into (its previous value, where
+        it can hold one like `like`). Once it is written, the memories can no longer be undone."""
+        if self._spares is None:
+            self._spares = {}
+        self._kept = ()
+        spare = self._spares[name] = _spare_like(self._spares.get(name), like)
+        return spare
+
+    def _keep(self, **new: torch.Tensor) -> None:
+        """Each named memory becomes its new value (written into its _spare); the old one becomes
+        the spare, which undo() swaps back."""
+        assert self._spares is not None, "a new value is written into its spare first"
+        for name, value in new.items():
+            self._spares[name] = getattr(self, name)
+            setattr(self, name, value)
+        self._kept = tuple(new)
 
     def _memory(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The named memory, zero on first use and on the device of `like`."""
@@ -148,7 +184,7 @@ class ErrorFeedback(Feedback):
     p = g + e; send C(p); e <- p - decoded(C(p)). So g + e_old == decoded + e_new: nothing is lost,
     only delayed.
 
-    p is written into a spare buffer and becomes the memory in update, where the old memory
+    p is written into the memory's spare and becomes the memory in update, where the old memory
     becomes the next spare: no full-size tensor is allocated per step (a fresh one of tens of
     MiB costs as much in page faults as a copy), and the memory stays untouched until update,
     so a step skipped as non-finite leaves no trace.
@@ -159,11 +195,10 @@ class ErrorFeedback(Feedback):
 
     def __init__(self) -> None:
         self.error: torch.Tensor | None = None
-        self._spare: torch.Tensor | None = None  # where the next p is written
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         error = self._memory("error", g)
-        spare = self._spare = _spare_like(self._spare, g)
+        spare = self._spare("error", g)
         if world_size == 1:
             return torch.add(g, error, out=spare)
         return torch.add(error, g, alpha=1 / world_size, out=spare)  # one pass: e + g / n
@@ -172,8 +207,7 @@ class ErrorFeedback(Feedback):
         if type(self).prepare is not ErrorFeedback.prepare:  # a subclass computes another p
             return None
         # The same p as prepare's (torch.add with alpha 1 adds exactly), in the same spare.
-        self._spare = _spare_like(self._spare, g)
-        return self._spare, Corrected(g, self._memory("error", g), 1 / world_size)
+        return self._spare("error", g), Corrected(g, self._memory("error", g), 1 / world_size)
 
     def held_back(self) -> torch.Tensor | None:
         return self.error
@@ -190,11 +224,7 @@ class ErrorFeedback(Feedback):
         total: torch.Tensor,
         remove_local_: RemoveLocal | None = None,
     ) -> torch.Tensor:
-        # p - decoded, computed in p (our spare, from prepare): the same bits as p - local(),
-        # without a full-size tensor; sparse codecs touch only the entries they sent. After defer
-        # the codec left it there already, and the exchange's remove_local_ says so.
-        residual = remove_local_(p) if remove_local_ is not None else p.sub_(local())
-        self._spare, self.error = self.error, residual
+        self._keep(error=_residual(p, local, remove_local_))
         return total
 
 
@@ -225,8 +255,9 @@ class EF21(Feedback):
         total: torch.Tensor,
         remove_local_: RemoveLocal | None = None,
     ) -> torch.Tensor:
-        h_local = self._memory("h_local", g).add_(local())
-        h_mean = self._memory("h_mean", g).add_(total)
+        h_local = torch.add(self._memory("h_local", g), local(), out=self._spare("h_local", g))
+        h_mean = torch.add(self._memory("h_mean", g), total, out=self._spare("h_mean", g))
+        self._keep(h_local=h_local, h_mean=h_mean)
         _check_estimates(self, h_mean=h_mean, h_local=h_local)
         return h_mean.clone()  # the caller may hand the result to DDP, which can alias it
 
@@ -266,10 +297,12 @@ class EControl(Feedback):
     ) -> torch.Tensor:
         delta = local()
         h_local = self._memory("h_local", g)
-        self.error = self._memory("error", g) + (g - h_local) - delta
-        h_local.add_(delta)
-        h_mean = self._memory("h_mean", g).add_(total)
-        _check_estimates(self, h_mean=h_mean, h_local=h_local, error=self.error)
+        error = torch.sub(g, h_local, out=self._spare("error", g))
+        error = torch.add(self._memory("error", g), error, out=error).sub_(delta)  # e + (g - h) - delta
+        h_local = torch.add(h_local, delta, out=self._spare("h_local", g))
+        h_mean = torch.add(self._memory("h_mean", g), total, out=self._spare("h_mean", g))
+        self._keep(error=error, h_local=h_local, h_mean=h_mean)
+        _check_estimates(self, h_mean=h_mean, h_local=h_local, error=error)
         return h_mean.clone()
 
 
@@ -293,22 +326,19 @@ class MomentumCorrection(ErrorFeedback):
     """
 
     def __init__(self, momentum: float = 0.9) -> None:
-        super().__init__()  # e, the residual memory, and the spare p is written into
+        super().__init__()  # e, the residual memory
         self.momentum = check_real("momentum", momentum, 0, 1, "[)", "your optimizer's, e.g. 0.9")
         self.velocity: torch.Tensor | None = None  # u
         self.applied: torch.Tensor | None = None  # D_prev: what the optimizer's buffer holds
-        self._velocity_spare: torch.Tensor | None = None
-        self._applied_spare: torch.Tensor | None = None
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         # Written into spares: the memories stay untouched until update, so a skipped step leaves
         # no trace.
-        velocity = self._velocity_spare = _spare_like(self._velocity_spare, g)
+        velocity = self._spare("velocity", g)
         torch.add(g, self._memory("velocity", g), alpha=self.momentum * world_size, out=velocity)
         if world_size != 1:
             velocity.div_(world_size)  # beta u + g / n, from (g + n beta u) / n
-        spare = self._spare = _spare_like(self._spare, g)
-        return torch.add(self._memory("error", g), velocity, out=spare)
+        return torch.add(self._memory("error", g), velocity, out=self._spare("error", g))
 
     def held_back(self) -> torch.Tensor | None:
         # e is velocity held back: added to a gradient, SGD's momentum would apply it 1 / (1 -
@@ -323,12 +353,11 @@ class MomentumCorrection(ErrorFeedback):
         total: torch.Tensor,
         remove_local_: RemoveLocal | None = None,
     ) -> torch.Tensor:
-        super().update(g, p, local, total, remove_local_)  # e <- p - decoded, as residual feedback
-        self._velocity_spare, self.velocity = self.velocity, self._velocity_spare
+        velocity = self._spares["velocity"]  # type: ignore[index]  # beta u + g / n, from prepare
         previous = self._memory("applied", total)
-        self._applied_spare = _spare_like(self._applied_spare, total)
-        self._applied_spare.copy_(total)
-        self.applied, self._applied_spare = self._applied_spare, previous
+        applied = self._spare("applied", total).copy_(total)
+        # e <- p - decoded, as residual feedback
+        self._keep(error=_residual(p, local, remove_local_), velocity=velocity, applied=applied)
         return total.sub_(previous, alpha=self.momentum)  # D - beta * D_prev, in the decoded sum
 
 
@@ -372,6 +401,13 @@ def _check_estimates(form: Feedback, **memories: torch.Tensor) -> None:
             f"gradsync: {type(form).__name__}'s memory {name!r} is no longer finite: its estimate of "
             f"the gradient passed {memory.dtype}'s largest value, {torch.finfo(memory.dtype).max:g}; {fix}"
         )
+
+
+def _residual(p: torch.Tensor, local: Local, remove_local_: RemoveLocal | None) -> torch.Tensor:
+    """p - decoded, computed in p (a memory's spare, from prepare): the same bits as p - local(),
+    without a full-size tensor; sparse codecs touch only the entries they sent. After defer the
+    codec left it there already, and the exchange's remove_local_ says so."""
+    return remove_local_(p) if remove_local_ is not None else p.sub_(local())
 
 
 def _spare_like(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

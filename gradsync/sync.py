@@ -18,9 +18,10 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -70,6 +71,9 @@ class CompressionPoint:
     shard_error: torch.Tensor | None = None
     # The learning rates the memories hold updates for (gradsync.learning_rate); None: unknown.
     rates: tuple[float, ...] | None = None
+    # Where the exchange writes the shard memory's next value; keep() swaps it in, undo() back.
+    _shard_spare: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _shard_kept: bool = field(default=False, init=False, repr=False, compare=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -112,12 +116,36 @@ class CompressionPoint:
             memory.view(-1)[start:end].add_(self.shard_error)
         return memory
 
-    def shard_memory(self, like: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-        """The shard's error memory, zero on first use (a two-shot group with error feedback)."""
+    def shard_memory(
+        self, like: torch.Tensor, rank: int, world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shard's error memory, zero on first use (a two-shot group with error feedback), and
+        the buffer the exchange writes its next value into (keep() makes that the memory)."""
         start, end = exchange.shard_bounds(self.numel, world_size)[rank]
         if self.shard_error is None or self.shard_error.numel() != end - start:
             self.shard_error = like.new_zeros(end - start)
-        return self.shard_error
+        spare = self._shard_spare
+        if spare is None or spare.shape != self.shard_error.shape or spare.device != self.shard_error.device:
+            spare = self._shard_spare = torch.empty_like(self.shard_error)
+        self._shard_kept = False
+        return self.shard_error, spare
+
+    def keep(self) -> None:
+        """The step's exchange ended finite: the shard memory's next value (written by the exchange
+        into its spare) becomes the memory. The feedback form keeps its own in update."""
+        if self._shard_spare is not None and not self._shard_kept:
+            self.shard_error, self._shard_spare = self._shard_spare, self.shard_error
+            self._shard_kept = True
+
+    def undo(self) -> None:
+        """Put back what this step changed (its update ran): the codec's state, the error
+        memories, the shard's memory. The step is skipped after all: another group's average
+        was not finite, so the optimizer skips the whole step."""
+        self.codec.undo()
+        self.feedback.undo()
+        if self._shard_kept:
+            self.shard_error, self._shard_spare = self._shard_spare, self.shard_error
+            self._shard_kept = False
 
 
 class SyncState:
@@ -205,6 +233,13 @@ class SyncState:
         # Per parameter, what to add to its next gradient (the average's share) before it is
         # exchanged: error memories of a plan given up (plan="auto" hands over between plans).
         self._carry: dict[int, torch.Tensor] = {}
+        # A step whose average is not finite in one group keeps nothing in any (the optimizer
+        # skips it whole): the step and the points that kept what its finite groups sent, each
+        # with what it took of the carry, to undo where a later group of the step is not finite;
+        # and the last step found so.
+        self._kept_at: tuple[int, list[tuple[CompressionPoint, dict[int, torch.Tensor]]]] = (-1, [])
+        self._skipped_at = -1
+        self._finishing = threading.Lock()
         # -- statistics
         self.trace = Trace()
         self._executed: dict[int, dict[str, Any]] = {}  # group -> its newest exchange, for stats()
@@ -409,7 +444,13 @@ class SyncState:
             "_param_index": None,
             "_binds_default_group": unbound,
             "_learning_rate": None,  # it watches this process's optimizers
+            "_kept_at": (-1, []),  # undone only within the step that kept it
+            "_finishing": None,
         }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._finishing = threading.Lock()
 
     # -- one group's path -----------------------------------------------------------------------
 
@@ -472,8 +513,14 @@ class SyncState:
         # afterwards: what was compressed is another tensor, or its decode is not needed again.
         uses_local = type(point.feedback).uses_local
         into_x = (p is not x or not uses_local) and not type(point.feedback).reads_gradient
-        # Error feedback covers both encodings of a two-shot exchange, the owner's second one too.
-        second = strategy.collective == "two-shot" and not isinstance(point.feedback, feedback.NoFeedback)
+        # Error feedback covers both encodings of a two-shot exchange, the owner's second one too
+        # (a rank alone sends its own payload on: there is no second encoding).
+        second = (
+            strategy.collective == "two-shot"
+            and not isinstance(point.feedback, feedback.NoFeedback)
+            and comm.world_size > 1
+        )
+        shard, shard_next = point.shard_memory(x, comm.rank, comm.world_size) if second else (None, None)
         future = exchange.start(
             point.codec,
             p,
@@ -484,21 +531,45 @@ class SyncState:
             out=x if into_x else None,
             keep_local=uses_local,
             guard=guard,
-            shard_error=point.shard_memory(x, comm.rank, comm.world_size) if second else None,
+            shard_error=shard,
             divisor=divisor,
             corrected=corrected,
+            shard_error_out=shard_next,
         )
 
         def finish(result: exchange.Exchanged) -> torch.Tensor:
-            if not result.finite:
-                point.codec.undo()  # a skipped step leaves no trace in codec state either
-                out = x.fill_(math.nan)  # the average is NaN on every rank: AMP's GradScaler skips it
-            else:
-                out = point.feedback.update(x, p, result.local, result.total, result.remove_local_)
-            self._keep_carried(carried, out)
+            with self._finishing:  # groups' callbacks may run on several of the backend's threads
+                if not result.finite:
+                    self._skip(step)
+                if step == self._skipped_at:  # this group's average or another's is not finite
+                    point.codec.undo()  # a skipped step leaves no trace in codec state either
+                    self._carry.update(carried)  # what was carried in goes into the next step
+                    # The average is NaN on every rank: AMP's GradScaler skips the step.
+                    out = result.total if result.finite else x.fill_(math.nan)
+                else:
+                    out = point.feedback.update(x, p, result.local, result.total, result.remove_local_)
+                    point.keep()
+                    self._keep_carried(carried, out)
+                    if self._kept_at[0] != step:
+                        self._kept_at = (step, [])
+                    self._kept_at[1].append((point, carried))
             return self._record(result, out, group, step, strategy, point, started)
 
         return then(future, finish, x.device)
+
+    def _skip(self, step: int) -> None:
+        """`step` is skipped (a group's average is not finite on every rank, so the optimizer
+        skips it whole): put back what its groups that finished already kept, and what was
+        carried into them; those that finish later keep nothing (SyncState._sync_group)."""
+        if self._skipped_at == step:
+            return
+        self._skipped_at = step
+        kept_at, kept = self._kept_at
+        if kept_at == step:
+            for point, carried in reversed(kept):
+                point.undo()
+                self._carry.update(carried)
+        self._kept_at = (step, [])
 
     def _strategy(self, group: int, numel: int, step: int, compress: bool) -> Strategy:
         """What runs for `group` this step: uncompressed in warm-up, else the plan's strategy or
@@ -909,6 +980,7 @@ class SyncState:
 
         def assign() -> None:
             self.step, self.points, self.layout = step, points, layout
+            self._kept_at = (-1, [])
             self.sparse.selector.choices = choices
             self._layout_checked = set()
             self._regroup = None

@@ -188,7 +188,7 @@ def test_only_residual_feedback_defers_p_and_then_to_prepares_formula(form: str)
     p, corrected = deferred
     assert corrected.g is g and corrected.alpha == 0.25
     assert same_bits(torch.add(corrected.base, g, alpha=corrected.alpha), fb.prepare(g.clone(), 4))
-    assert p.data_ptr() == fb._spare.data_ptr()  # p's buffer is the spare prepare writes into
+    assert p.data_ptr() == fb._spares["error"].data_ptr()  # p's buffer is the spare prepare writes into
 
 
 def test_ef_state_dict_has_only_the_memory_and_round_trips() -> None:
@@ -211,7 +211,7 @@ def test_a_pickled_ef_leaves_its_spare_behind_and_continues_identically() -> Non
     for g in gs[:3]:
         ef_step(fb, compress.build("topk", ratio=0.1), g)
     copy = pickle.loads(pickle.dumps(fb))
-    assert copy._spare is None
+    assert copy._spares is None
     for g in gs[3:]:
         ef_step(fb, compress.build("topk", ratio=0.1), g)
         ef_step(copy, compress.build("topk", ratio=0.1), g)
