@@ -14,6 +14,7 @@ from torch import nn
 from gradsync import autoplan, tuner
 from gradsync.config import SyncConfig
 from gradsync.cost import LinearFit
+from gradsync.plan import Plan
 from gradsync.sim import cluster as clusters
 from gradsync.sim.compute import Compute, Gradient
 from gradsync.strategy import parse
@@ -71,43 +72,84 @@ def test_ddp_buckets_become_runs_of_gradients_in_the_measured_order() -> None:
     assert autoplan._as_gradients([], params) is None
 
 
-def _measured() -> autoplan.Measured:
-    """Four gradients on 4 measured ranks whose network is slow enough that compression pays
-    for the large ones and not for the small."""
+def _measured(seconds_per_byte: float = 4e-8) -> autoplan.Measured:
+    """Four gradients on 4 measured ranks whose network (at the default `seconds_per_byte` of an
+    allreduce) is slow enough that compression pays for the large ones and not for the small."""
     numels = (1 << 10, 1 << 22, 1 << 10, 1 << 22)
     gradients = tuple(Gradient(f"p{i}", n, 0.01 * (i + 1)) for i, n in enumerate(numels))
     compute = Compute(0.02, 0.04, 0.005, gradients, name="hand-made")
     codec = {"compress": fit(1e-4, 2e-9), "decompress": fit(1e-4, 2e-9)}
+    gather = fit(2e-4, 0.75 * seconds_per_byte)
     where = clusters.measured(
         4,
-        {"allreduce": fit(2e-4, 4e-8), "allgather": fit(2e-4, 3e-8), "all_to_all": fit(2e-4, 3e-8)},
+        {"allreduce": fit(2e-4, seconds_per_byte), "allgather": gather, "all_to_all": gather},
         {"fp16": codec, "bf16": codec, "topk:ratio=0.01": codec},
     )
     return autoplan.Measured(compute, where, (3, 2, 1, 0))
 
 
-def test_candidates_weigh_compressing_against_not_without_repeats() -> None:
-    config = SyncConfig(compressor="topk", compressor_args={"ratio": 0.01}, plan="auto")
-    found = autoplan.candidates(_measured(), config, "sig", buckets=[(3, 2), (1, 0)])
-    ranked = autoplan.make_all(
-        _measured().compute,
-        _measured().cluster,
+def _ranked(measured: autoplan.Measured) -> list[Plan]:
+    return autoplan.make_all(
+        measured.compute,
+        measured.cluster,
         "topk",
         {"ratio": 0.01},
         "sig",
         (3, 2, 1, 0),
         buckets=[[0, 1], [2, 3]],
     )
+
+
+def _compresses(plan: Plan) -> bool:
+    return any(s.compressed for s in plan.strategies)
+
+
+def _key(plan: Plan) -> tuple:
+    """A plan as its groups and strategies (its meta holds the planner's own timings)."""
+    return tuple((g.params, g.strategy) for g in plan.groups)
+
+
+@pytest.mark.parametrize("seconds_per_byte", [4e-8, 4e-10])
+def test_candidates_are_distinct_plans_the_best_predicted_and_the_fixed_configuration_first(
+    seconds_per_byte: float,
+) -> None:
+    config = SyncConfig(compressor="topk", compressor_args={"ratio": 0.01}, plan="auto")
+    measured = _measured(seconds_per_byte)
+    found = autoplan.candidates(measured, config, "sig", buckets=[(3, 2), (1, 0)])
+    ranked = _ranked(measured)
     assert 2 <= len(found) <= autoplan.CANDIDATES
-    # The best predicted first (timings in meta aside, the same plan).
+    # The best predicted first (timings in meta aside, the same plan), then the config's own.
     assert (found[0].groups, found[0].predicted_step_s) == (ranked[0].groups, ranked[0].predicted_step_s)
-    compresses = [any(s.compressed for s in p.strategies) for p in found]
-    assert True in compresses and False in compresses
-    keys = [tuple((g.params, g.strategy) for g in p.groups) for p in found]
+    assert [g.strategy for g in found[1].groups] == ["topk:ratio=0.01"] * 2
+    keys = [_key(p) for p in found]
     assert len(set(keys)) == len(keys)
     assert all(p.model == "sig" for p in found)
     # Groups are parameter positions: each plan covers parameters 0..3 once.
     assert all(sorted(q for g in p.groups for q in g.params) == [0, 1, 2, 3] for p in found)
+
+
+def test_not_compressing_is_tried_where_predicted_close_and_left_out_where_far_slower() -> None:
+    config = SyncConfig(compressor="topk", compressor_args={"ratio": 0.01}, plan="auto")
+    # A fast network: fp32 is predicted within TRIED_WITHIN of the best, so a real step decides.
+    fast = _measured(4e-10)
+    best_s = _ranked(fast)[0].predicted_step_s
+    plain = next(p for p in _ranked(fast) if not _compresses(p))
+    assert plain.predicted_step_s <= autoplan.TRIED_WITHIN * best_s
+    assert _key(plain) in map(_key, autoplan.candidates(fast, config, "sig", buckets=[(3, 2), (1, 0)]))
+    # A slow one: every plan that does not compress is predicted far slower and is not tried;
+    # the config's own strategy is, whatever its prediction.
+    slow = _measured()
+    ranked = _ranked(slow)
+    worst_s = autoplan.TRIED_WITHIN * ranked[0].predicted_step_s
+    assert all(p.predicted_step_s > worst_s for p in ranked if not _compresses(p))
+    found = autoplan.candidates(slow, config, "sig", buckets=[(3, 2), (1, 0)])
+    assert all(_compresses(p) and p.predicted_step_s <= worst_s for p in found[:1] + found[2:])
+    with pytest.MonkeyPatch.context() as patch:  # a bound that leaves out the fixed configuration
+        patch.setattr(autoplan, "TRIED_WITHIN", 1.0)
+        found = autoplan.candidates(slow, config, "sig", buckets=[(3, 2), (1, 0)])
+    own = next(p for p in ranked if all(g.strategy == "topk:ratio=0.01" for g in p.groups))
+    assert own.predicted_step_s > ranked[0].predicted_step_s
+    assert [_key(p) for p in found] == [_key(ranked[0]), _key(own)]
 
 
 def test_codec_specs_name_codecs_as_strategies_do_and_warmup_covers_the_probes() -> None:
