@@ -41,7 +41,8 @@ def install(sync: str, model: DistributedDataParallel) -> object | None:
     if sync == "torch-bf16":
         return model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if sync == "torch-powersgd":
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=10)
+        # From step 2, as gradsync's default warm-up: the earliest torch allows with error feedback.
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
     configs = {

@@ -21,7 +21,11 @@ def test_baselines_parse_to_their_kinds():
     assert strategies.parse("ddp").kind == "ddp"
     assert strategies.parse("torch-fp16").kind == "torch-fp16"
     powersgd = strategies.parse("torch-powersgd:rank=4")
-    assert powersgd.kind == "torch-powersgd" and powersgd.options == {"rank": 4, "min_rate": 2.0}
+    warmup = gradsync.SyncConfig().warmup_steps  # torch's PowerSGD starts where gradsync compresses
+    assert powersgd.kind == "torch-powersgd"
+    assert powersgd.options == {"rank": 4, "min_rate": 2.0, "warmup": warmup}
+    assert powersgd.warmup_steps == warmup and strategies.parse("topk").warmup_steps == warmup
+    assert strategies.parse("torch-powersgd:warmup=10").warmup_steps == 10
     assert "rank 4" in powersgd.label
 
 
@@ -73,6 +77,7 @@ def test_gradsync_options_reach_the_config():
         ("ddp:x=1", ["takes no options"]),
         ("torch-powersgd:rank=0", ["rank=0", ">= 1"]),
         ("torch-powersgd:foo=1", ["unknown option", "rank"]),
+        ("torch-powersgd:warmup=1", ["warmup=1", ">= 2"]),
         ("topk:ratio", ["not key=value"]),
         ("topk:ratio=2", ["ratio"]),
         ("diloco:sync_every=4:delay=4", ["delay=4", "[0, 3]"]),
@@ -102,7 +107,7 @@ def test_strategy_lists_refuse_duplicates_and_emptiness():
     ("kwargs", "words"),
     [
         ({"world_size": 0}, ["world_size=0", ">= 1"]),
-        ({"steps": 5}, ["steps=5", "warm-up"]),
+        ({"steps": 4}, ["steps=4", "warm-up"]),  # steady from step 3: after the warm-up of 2
         ({"tolerance": 1.5}, ["tolerance=1.5"]),
         ({"strategies": ("ddp", "ddp")}, ["twice"]),
         ({"strategies": ("ddp", "bogus")}, ["bogus"]),
@@ -117,6 +122,10 @@ def test_bad_options_are_refused(kwargs, words):
 
 
 # -- statistics --------------------------------------------------------------------------------------
+
+
+# A strategy whose warm-up is pinned at 10 steps: its first 11 steps are not counted.
+TOPK = "topk:warmup=10"
 
 
 def _raw(strategy: str, step_s: float, losses: list[float], compression: float | None = None) -> dict:
@@ -137,8 +146,8 @@ def _raw(strategy: str, step_s: float, losses: list[float], compression: float |
 
 
 def test_summary_counts_steady_steps_and_finds_time_to_target():
-    options = train.BenchOptions(strategies=("ddp", "topk"), steps=20, tolerance=0.02)
-    raw = [_raw("ddp", 1.0, [3.0, 2.0, 1.5, 1.2, 1.0]), _raw("topk", 0.25, [3.0, 2.1, 1.6, 1.02, 1.01], 0.05)]
+    options = train.BenchOptions(strategies=("ddp", TOPK), steps=20, tolerance=0.02)
+    raw = [_raw("ddp", 1.0, [3.0, 2.0, 1.5, 1.2, 1.0]), _raw(TOPK, 0.25, [3.0, 2.1, 1.6, 1.02, 1.01], 0.05)]
     doc = train.summarize(raw, {"workload": "mlp-wide"}, options)
     ddp, topk = doc["runs"]
     assert doc["meta"]["target_loss"] == pytest.approx(1.0 * 1.02)
@@ -239,7 +248,7 @@ def test_without_ddp_there_is_no_target():
 
 
 def test_p90_is_the_ninetieth_percentile_of_steady_steps():
-    options = train.BenchOptions(strategies=("ddp",), steps=31)
+    options = train.BenchOptions(strategies=("ddp", TOPK), steps=31)
     raw = _raw("ddp", 1.0, [2.0, 1.0])
     raw["step_s"] = [9.0] * 11 + [float(i) for i in range(1, 21)]
     raw["sent_nbytes"] = [1] * 31

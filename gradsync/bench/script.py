@@ -65,9 +65,9 @@ class ScriptOptions:
     syncs: tuple[str, ...] = SYNCS
     world_size: int = 4
     steps: int = FIRST_STEPS
-    # Steps counted from here: after gradsync's warm-up (10 steps) and torch PowerSGD's start
-    # (step 10), and a few more for the allocations of the first compressed steps; later by
-    # LONGER_WARMUP for the ways it names.
+    # Steps counted from here: well after gradsync's warm-up (2 steps) and torch PowerSGD's start
+    # (step 2) and the allocations of the first compressed steps; later by LONGER_WARMUP for the
+    # ways it names.
     steady_from: int = 15
     repeats: int = 1
     timeout_s: float = 1800.0

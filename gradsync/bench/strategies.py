@@ -4,8 +4,8 @@ A strategy is named on the command line as `name[:key=value:key=value...]`:
 
 - `ddp`: DDP with no hook (fp32 allreduce), the reference;
 - `torch-fp16`: PyTorch's own `fp16_compress_hook`;
-- `torch-powersgd`: PyTorch's own PowerSGD hook (options `rank`, `min_rate`; it starts compressing
-  after gradsync's default warm-up, so the two start at the same step);
+- `torch-powersgd`: PyTorch's own PowerSGD hook (options `rank`, `min_rate` and `warmup`, its
+  start_powerSGD_iter: by default gradsync's default warm-up, so the two start at the same step);
 - any gradsync compressor (`gradsync list`), e.g. `topk:ratio=0.001`: gradsync's hook with that
   compressor. Options are the compressor's arguments plus `ef` (error-feedback form), `warmup`
   and `sparse` (the sparse scheme, SyncConfig.sparse_scheme: `identity:sparse=balanced` sends
@@ -68,8 +68,9 @@ _DILOCO_OPTIONS = {
     "delay": 0,
     "alpha": 0.0,
 }
-_POWERSGD_OPTIONS = {"rank": 1, "min_rate": 2.0}  # torch's own defaults
 WARMUP_STEPS = SyncConfig().warmup_steps
+# torch's own defaults but for the start (torch's is step 1,000), which is gradsync's.
+_POWERSGD_OPTIONS = {"rank": 1, "min_rate": 2.0, "warmup": WARMUP_STEPS}
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ class Strategy:
         confirms in it), PowerSGD's start step."""
         if self.kind == TORCHFT:
             return 0
+        if self.kind == "torch-powersgd":
+            return self.options["warmup"]
         if self.config is None:
             return WARMUP_STEPS
         if self.kind == DILOCO:
@@ -174,6 +177,11 @@ def parse(text: str) -> Strategy:
         merged = {**_POWERSGD_OPTIONS, **options}
         if not isinstance(merged["rank"], int) or merged["rank"] < 1:
             raise ValueError(f"strategy {text!r}: rank={merged['rank']!r} must be an integer >= 1")
+        if not isinstance(merged["warmup"], int) or merged["warmup"] < 2:
+            raise ValueError(
+                f"strategy {text!r}: warmup={merged['warmup']!r} must be an integer >= 2 (torch's "
+                "PowerSGD starts after DDP's bucket rebuild at the earliest)"
+            )
         return Strategy(text, name, merged)
     if name == DILOCO:
         return _diloco(text, options)
@@ -330,7 +338,7 @@ class Installed:
                 process_group=None,
                 matrix_approximation_rank=strategy.options["rank"],
                 min_compression_rate=strategy.options["min_rate"],
-                start_powerSGD_iter=WARMUP_STEPS,
+                start_powerSGD_iter=strategy.options["warmup"],
             )
             model.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
         elif strategy.kind == "gradsync" or (strategy.kind == FSDP and strategy.config is not None):

@@ -16,7 +16,9 @@ _SMALL = {"width": 160, "depth": 2, "features": 32, "classes": 10, "batch_size":
 
 # The scheme is pinned: "auto" decides from timed rounds, and on a loaded machine it may send this
 # small model's payload dense (one round instead of two), which the byte checks below would not expect.
-TOPK = "topk:ratio=0.1:sparse=agsparse"
+# The warm-ups are pinned at 10 steps, so that the evaluations at steps 4 and 8 see fp32 training.
+TOPK = "topk:ratio=0.1:sparse=agsparse:warmup=10"
+POWERSGD = "torch-powersgd:warmup=10"
 DILOCO = "diloco:sync_every=4"
 
 
@@ -26,7 +28,7 @@ def document(tmp_path_factory: pytest.TempPathFactory) -> dict:
         workload="mlp-wide",
         workload_options=_SMALL,
         world_size=2,
-        strategies=("ddp", "torch-fp16", "torch-powersgd", TOPK, DILOCO),
+        strategies=("ddp", "torch-fp16", POWERSGD, TOPK, DILOCO),
         steps=16,
         eval_every=4,
         probe_steps=2,
@@ -39,7 +41,7 @@ def document(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_strategy_reports_its_measurements(document: dict):
     runs = {r["strategy"]: r for r in document["runs"]}
-    assert list(runs) == ["ddp", "torch-fp16", "torch-powersgd", TOPK, DILOCO]
+    assert list(runs) == ["ddp", "torch-fp16", POWERSGD, TOPK, DILOCO]
     for run in runs.values():
         assert len(run["step_s"]) == 16 and all(s > 0 for s in run["step_s"])
         assert [e["step"] for e in run["evals"]] == [0, 4, 8, 12, 16]
@@ -54,7 +56,7 @@ def test_every_strategy_reports_its_measurements(document: dict):
     # The paired comparison is over the 4,096 predictions of both final models: its mean
     # difference is the difference of the two final losses (up to float32 per prediction).
     ddp_final = runs["ddp"]["final_loss"]
-    for strategy in ("torch-fp16", "torch-powersgd", TOPK, DILOCO):
+    for strategy in ("torch-fp16", POWERSGD, TOPK, DILOCO):
         run = runs[strategy]
         assert run["final_vs_reference"] == pytest.approx(run["final_loss"] / ddp_final - 1, abs=1e-5)
         assert run["final_vs_reference_se"] > 0
@@ -73,7 +75,7 @@ def test_same_seeds_and_data_give_the_same_trajectory_until_compression_starts(d
     assert all(r["evals"][0]["loss"] == start for r in runs.values())
     # gradsync and PowerSGD allreduce fp32 for their first 10 steps: the same training as DDP's
     # (up to the order of division and summation), visible at the evaluations of steps 4 and 8.
-    for strategy in ("torch-powersgd", TOPK):
+    for strategy in (POWERSGD, TOPK):
         for ddp_eval, other in zip(runs["ddp"]["evals"][1:3], runs[strategy]["evals"][1:3], strict=True):
             assert other["loss"] == pytest.approx(ddp_eval["loss"], rel=1e-5)
     # fp16 rounding shows from the first step on, but stays close.
@@ -86,7 +88,7 @@ def test_bytes_per_step_follow_each_exchange(document: dict):
     params = document["meta"]["params"]
     assert ddp == 2 * (2 - 1) * 4 * params // 2  # ring allreduce of fp32 with 2 ranks
     assert runs["torch-fp16"]["bytes_per_step"] == ddp // 2
-    assert runs["torch-powersgd"]["bytes_per_step"] < ddp / 2
+    assert runs[POWERSGD]["bytes_per_step"] < ddp / 2
     assert runs[TOPK]["bytes_per_step"] < ddp / 2
     # DiLoCo sends DDP's fp32 allreduce once every 4 inner steps: after steps 4, 8, 12 and 16.
     steady = range(document["meta"]["steady_from"], 16)
