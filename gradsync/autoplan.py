@@ -25,10 +25,11 @@ from .strategy import NONE, Strategy, parse
 
 CANDIDATES = 4  # plans confirmed on real steps
 # A plan predicted to step over this many times the best predicted plan's step is not tried: it
-# could win only where the prediction erred twofold, six times the simulator's largest error
-# against the testbed (33%, docs/simulator.md), and its three real steps would each cost about
-# that much more (fp32 at 1 Gbit/s: three times int4's step). The config's own fixed strategy is
-# tried whatever its prediction, so that auto never adopts a plan that measured slower than it.
+# could win only where the best's prediction was a third too short and its own a third too long at
+# once, each the simulator's largest error against the testbed (33%, docs/simulator.md; median
+# 12%), and its three real steps would each cost about that much more (fp32 on mlp-wide at 1
+# Gbit/s: three times int4's step). The config's own fixed strategy is tried whatever its
+# prediction, so that auto never adopts a plan that measured slower than it.
 TRIED_WITHIN = 2.0
 # A runner-up measured within this fraction of the fastest candidate is tried again against it: two
 # counted steps each cannot tell apart plans closer than a step's noise on a busy host (a 1.3%
@@ -202,8 +203,8 @@ def candidates(
     the config runs without a plan (its compressor by its own exchange on DDP's buckets), the best
     that compresses and the best that does not (whichever of those the first ones are not), the
     best uniform strategy on DDP's buckets, and the next best predicted. So the measurement decides
-    between compressing and not, and against the fixed configuration, even where the prediction
-    errs; but a plan predicted over TRIED_WITHIN times the best's step is left out (the fixed
+    against the fixed configuration, and between compressing and not where the prediction could
+    err that far: a plan predicted over TRIED_WITHIN times the best's step is left out (the fixed
     configuration never is). `buckets`: DDP's buckets, as parameter positions, where seen."""
     compressor = None if config.compressor == NO_COMPRESSION else config.compressor
     ranked = make_all(
@@ -229,7 +230,7 @@ def candidates(
         worth[0],
         own,
         next((p for p in worth if compresses(p)), None),
-        next((p for p in worth if not compresses(p)), None),  # fp32 on DDP's buckets at worst
+        next((p for p in worth if not compresses(p)), None),  # fp32 on DDP's buckets, unless far slower
         next((p for p in worth if str(p.meta.get("chosen", "")).endswith("DDP buckets")), None),
         *worth[1:],
     ]
