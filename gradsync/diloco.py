@@ -70,6 +70,7 @@ class _OuterSyncState(SyncState):
     # The outer gradient is applied at the outer optimizer's rate, not at the inner SGD's that
     # gradsync.learning_rate would find over the same parameters.
     follows_learning_rate = False
+    follows_loss_scale = False  # outer gradients are parameter differences, not scaled gradients
     says_nothing_compressed = False  # DiLoCo says it of its fragments, in its own terms
 
     def _compressed_before(self, step: int) -> int:

@@ -118,6 +118,14 @@ class Feedback:
         mirrors estimate the gradient; EControl's own residual enters p damped by eta, and was
         left in gradient units, unmeasured)."""
 
+    def rescale_units(self, ratio: float) -> None:
+        """The gradients' units changed by `ratio` (AMP's loss scale, gradsync.loss_scale): every
+        memory holds gradients in those units, so every one is scaled, mirrors and velocities
+        included."""
+        for value in self._state().values():
+            if isinstance(value, torch.Tensor):
+                value.mul_(ratio)
+
     def state_dict(self) -> dict[str, Any]:
         return {name: _copy(value) for name, value in self._state().items()}
 
@@ -139,7 +147,7 @@ class Feedback:
     def _state(self) -> dict[str, Any]:
         return {name: value for name, value in vars(self).items() if not name.startswith("_")}
 
-    def _spare(self, name: str, like: torch.Tensor) -> torch.Tensor:
+    def _spare_for(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The buffer the next value of memory `name` is written into (its previous value, where
         it can hold one like `like`). Once it is written, the memories can no longer be undone."""
         if self._spares is None:
@@ -149,7 +157,7 @@ class Feedback:
         return spare
 
     def _keep(self, **new: torch.Tensor) -> None:
-        """Each named memory becomes its new value (written into its _spare); the old one becomes
+        """Each named memory becomes its new value (written into its _spare_for); the old one becomes
         the spare, which undo() swaps back."""
         assert self._spares is not None, "a new value is written into its spare first"
         for name, value in new.items():
@@ -198,7 +206,7 @@ class ErrorFeedback(Feedback):
 
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         error = self._memory("error", g)
-        spare = self._spare("error", g)
+        spare = self._spare_for("error", g)
         if world_size == 1:
             return torch.add(g, error, out=spare)
         return torch.add(error, g, alpha=1 / world_size, out=spare)  # one pass: e + g / n
@@ -207,7 +215,7 @@ class ErrorFeedback(Feedback):
         if type(self).prepare is not ErrorFeedback.prepare:  # a subclass computes another p
             return None
         # The same p as prepare's (torch.add with alpha 1 adds exactly), in the same spare.
-        return self._spare("error", g), Corrected(g, self._memory("error", g), 1 / world_size)
+        return self._spare_for("error", g), Corrected(g, self._memory("error", g), 1 / world_size)
 
     def held_back(self) -> torch.Tensor | None:
         return self.error
@@ -255,8 +263,8 @@ class EF21(Feedback):
         total: torch.Tensor,
         remove_local_: RemoveLocal | None = None,
     ) -> torch.Tensor:
-        h_local = torch.add(self._memory("h_local", g), local(), out=self._spare("h_local", g))
-        h_mean = torch.add(self._memory("h_mean", g), total, out=self._spare("h_mean", g))
+        h_local = torch.add(self._memory("h_local", g), local(), out=self._spare_for("h_local", g))
+        h_mean = torch.add(self._memory("h_mean", g), total, out=self._spare_for("h_mean", g))
         self._keep(h_local=h_local, h_mean=h_mean)
         _check_estimates(self, h_mean=h_mean, h_local=h_local)
         return h_mean.clone()  # the caller may hand the result to DDP, which can alias it
@@ -297,10 +305,10 @@ class EControl(Feedback):
     ) -> torch.Tensor:
         delta = local()
         h_local = self._memory("h_local", g)
-        error = torch.sub(g, h_local, out=self._spare("error", g))
+        error = torch.sub(g, h_local, out=self._spare_for("error", g))
         error = torch.add(self._memory("error", g), error, out=error).sub_(delta)  # e + (g - h) - delta
-        h_local = torch.add(h_local, delta, out=self._spare("h_local", g))
-        h_mean = torch.add(self._memory("h_mean", g), total, out=self._spare("h_mean", g))
+        h_local = torch.add(h_local, delta, out=self._spare_for("h_local", g))
+        h_mean = torch.add(self._memory("h_mean", g), total, out=self._spare_for("h_mean", g))
         self._keep(error=error, h_local=h_local, h_mean=h_mean)
         _check_estimates(self, h_mean=h_mean, h_local=h_local, error=error)
         return h_mean.clone()
@@ -334,11 +342,11 @@ class MomentumCorrection(ErrorFeedback):
     def prepare(self, g: torch.Tensor, world_size: int = 1) -> torch.Tensor:
         # Written into spares: the memories stay untouched until update, so a skipped step leaves
         # no trace.
-        velocity = self._spare("velocity", g)
+        velocity = self._spare_for("velocity", g)
         torch.add(g, self._memory("velocity", g), alpha=self.momentum * world_size, out=velocity)
         if world_size != 1:
             velocity.div_(world_size)  # beta u + g / n, from (g + n beta u) / n
-        return torch.add(self._memory("error", g), velocity, out=self._spare("error", g))
+        return torch.add(self._memory("error", g), velocity, out=self._spare_for("error", g))
 
     def held_back(self) -> torch.Tensor | None:
         # e is velocity held back: added to a gradient, SGD's momentum would apply it 1 / (1 -
@@ -355,7 +363,7 @@ class MomentumCorrection(ErrorFeedback):
     ) -> torch.Tensor:
         velocity = self._spares["velocity"]  # type: ignore[index]  # beta u + g / n, from prepare
         previous = self._memory("applied", total)
-        applied = self._spare("applied", total).copy_(total)
+        applied = self._spare_for("applied", total).copy_(total)
         # e <- p - decoded, as residual feedback
         self._keep(error=_residual(p, local, remove_local_), velocity=velocity, applied=applied)
         return total.sub_(previous, alpha=self.momentum)  # D - beta * D_prev, in the decoded sum

@@ -101,6 +101,7 @@ class ShardedState(SyncState):
         self._note_compressing(step, f"group {group}", strategy)
         point = self._point(group, x, step)
         self._follow_learning_rate(point, step)
+        self._follow_loss_scale(point, step)
         guard = point.guarded
         # p is checked, not x: prepare writes spares only, and a memory added to a finite x can
         # pass the dtype's range where x did not (SyncState._sync_group checks the same).
@@ -207,6 +208,9 @@ class _ReplicaState(SyncState):
     """HSDP's average of each shard across replicas: a DDP bucket's path, over the replicas."""
 
     group_noun = "shard averaged across replicas"
+    # Each shard counts its own replica averages (a module may run less often): one number is not
+    # one training step across groups, so a group found not finite is undone alone.
+    steps_together = False
 
 
 class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]

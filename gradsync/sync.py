@@ -30,7 +30,7 @@ from torch import nn
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from . import checkpoint, compress, exchange, feedback
+from . import checkpoint, compress, exchange, feedback, loss_scale
 from .comm import (
     CollectiveError,
     Comm,
@@ -48,6 +48,7 @@ from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec, require_c
 from .feedback import Feedback
 from .lane import Lane
 from .learning_rate import LearningRate, Rates, held_at
+from .loss_scale import LossScale
 from .regroup import Regroup
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
@@ -71,6 +72,8 @@ class CompressionPoint:
     shard_error: torch.Tensor | None = None
     # The learning rates the memories hold updates for (gradsync.learning_rate); None: unknown.
     rates: tuple[float, ...] | None = None
+    # AMP's loss scale the memories hold gradients at (gradsync.loss_scale); None: unscaled.
+    loss_scale: float | None = None
     # Where the exchange writes the shard memory's next value; keep() swaps it in, undo() back.
     _shard_spare: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _shard_kept: bool = field(default=False, init=False, repr=False, compare=False)
@@ -83,6 +86,7 @@ class CompressionPoint:
             "feedback": self.feedback.state_dict(),
             "shard_error": None if self.shard_error is None else self.shard_error.clone(),
             "rates": None if self.rates is None else list(self.rates),
+            "loss_scale": self.loss_scale,
         }
 
     @property
@@ -98,6 +102,14 @@ class CompressionPoint:
         EF21 it is what the broadcast mirror lacks of the ranks' mirrors' sum, unscaled as they are."""
         self.feedback.rescale(ratio)
         if self.shard_error is not None and type(self.feedback).holds_back:
+            self.shard_error.mul_(ratio)
+
+    def rescale_units(self, ratio: float) -> None:
+        """The gradients' units changed by `ratio` (AMP's loss scale): every memory and codec
+        state that holds gradients is scaled, the shard's re-encoding memory too."""
+        self.feedback.rescale_units(ratio)
+        self.codec.rescale_units(ratio)
+        if self.shard_error is not None:
             self.shard_error.mul_(ratio)
 
     def hand_over(self, rank: int, world_size: int) -> torch.Tensor | None:
@@ -130,6 +142,10 @@ class CompressionPoint:
         self._shard_kept = False
         return self.shard_error, spare
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The spare holds nothing worth keeping, as feedback's spares.
+        return {**self.__dict__, "_shard_spare": None, "_shard_kept": False}
+
     def keep(self) -> None:
         """The step's exchange ended finite: the shard memory's next value (written by the exchange
         into its spare) becomes the memory. The feedback form keeps its own in update."""
@@ -161,10 +177,17 @@ class SyncState:
     # Whether error memories follow the learning rate of an SGD over the model's parameters
     # (gradsync.learning_rate): a gradient's held-back part moves them as far as it would have.
     follows_learning_rate: ClassVar[bool] = True
+    # Whether they follow AMP's loss scale (gradsync.loss_scale): what is synced are gradients
+    # of the scaled loss (not DiLoCo's outer gradients).
+    follows_loss_scale: ClassVar[bool] = True
     # Whether a run whose groups are all below min_compress_numel is warned about after warm-up
     # (DiLoCo says it of its fragments when it is built).
     says_nothing_compressed: ClassVar[bool] = True
     says_compressing: ClassVar[bool] = True  # whether the first compressed exchange is logged
+    # Whether the groups of one step number are one training step, so that a step found not
+    # finite in one group is undone in all (not where each group counts its own steps: HSDP's
+    # replica average).
+    steps_together: ClassVar[bool] = True
     group_noun: ClassVar[str] = "bucket"  # what a group is, in the user's terms
 
     def __init__(self, config: SyncConfig, comm: Comm | None = None, model: nn.Module | None = None) -> None:
@@ -201,6 +224,8 @@ class SyncState:
         follows = model is not None and self.follows_learning_rate
         self._learning_rate = LearningRate(params) if follows else None
         self._rates: tuple[int, Rates | None] = (-1, None)  # (step, the rates read at it)
+        self._loss_scale = LossScale() if self.follows_loss_scale else None
+        self._scale: tuple[int, float | None] = (-1, None)  # (step, the loss scale read at it)
         # -- the plan executed from the first compressed step on; None: config.compressor per bucket
         self.plan: PlanLike | None = None
         self._strategies: list[Strategy] = []
@@ -273,6 +298,8 @@ class SyncState:
         would otherwise idle a minute; a later exchange starts one again)."""
         if self._learning_rate is not None:
             self._learning_rate.close()
+        if self._loss_scale is not None:
+            self._loss_scale.close()
         self.lane.stop()
 
     def sync(
@@ -444,6 +471,7 @@ class SyncState:
             "_param_index": None,
             "_binds_default_group": unbound,
             "_learning_rate": None,  # it watches this process's optimizers
+            "_loss_scale": None,  # it follows this process's GradScaler
             "_kept_at": (-1, []),  # undone only within the step that kept it
             "_finishing": None,
         }
@@ -472,13 +500,17 @@ class SyncState:
             shown = self.plan is None or compress  # a plan's warm-up runs DDP's buckets, not its groups
 
             def done(result: exchange.Exchanged) -> torch.Tensor:
-                self._keep_carried(carried, x)
+                if carried:  # what a plan given up carried in: into the next step if this one is skipped
+                    with self._finishing:
+                        self._keep_carried(carried, x)
+                        self._kept(step, None, carried)
                 return self._record(result, x, group, step, strategy, None, started, shown)
 
             return then(future, done, x.device)
         self._note_compressing(step, _key(self.plan is not None, group), strategy)
         point = self._point(group, x, step, params)
         self._follow_learning_rate(point, step)
+        self._follow_loss_scale(point, step)
         guard = point.guarded
         # Where the payload shows a non-finite input by itself, the exchange's check finds it: the
         # hook need not look (nor where there is nothing to guard).
@@ -539,9 +571,10 @@ class SyncState:
 
         def finish(result: exchange.Exchanged) -> torch.Tensor:
             with self._finishing:  # groups' callbacks may run on several of the backend's threads
-                if not result.finite:
+                if not result.finite and self.steps_together:
                     self._skip(step)
-                if step == self._skipped_at:  # this group's average or another's is not finite
+                skipped = not result.finite or (self.steps_together and step == self._skipped_at)
+                if skipped:  # this group's average or another's of the step is not finite
                     point.codec.undo()  # a skipped step leaves no trace in codec state either
                     self._carry.update(carried)  # what was carried in goes into the next step
                     # The average is NaN on every rank: AMP's GradScaler skips the step.
@@ -550,24 +583,37 @@ class SyncState:
                     out = point.feedback.update(x, p, result.local, result.total, result.remove_local_)
                     point.keep()
                     self._keep_carried(carried, out)
-                    if self._kept_at[0] != step:
-                        self._kept_at = (step, [])
-                    self._kept_at[1].append((point, carried))
+                    self._kept(step, point, carried)
             return self._record(result, out, group, step, strategy, point, started)
 
         return then(future, finish, x.device)
 
+    def _kept(self, step: int, point: CompressionPoint | None, carried: dict[int, torch.Tensor]) -> None:
+        """Note what `step` kept in `point` (None: an uncompressed group) and took of the carry,
+        for _skip to put back; where the step is found skipped already, put the carry back now.
+        Under the lock."""
+        if not self.steps_together:
+            return
+        if step == self._skipped_at:
+            self._carry.update(carried)
+            return
+        if self._kept_at[0] != step:
+            self._kept_at = (step, [])
+        self._kept_at[1].append((point, carried))
+
     def _skip(self, step: int) -> None:
         """`step` is skipped (a group's average is not finite on every rank, so the optimizer
         skips it whole): put back what its groups that finished already kept, and what was
-        carried into them; those that finish later keep nothing (SyncState._sync_group)."""
+        carried into them; those that finish later keep nothing (SyncState._sync_group).
+        Under the lock."""
         if self._skipped_at == step:
             return
         self._skipped_at = step
         kept_at, kept = self._kept_at
         if kept_at == step:
             for point, carried in reversed(kept):
-                point.undo()
+                if point is not None:
+                    point.undo()
                 self._carry.update(carried)
         self._kept_at = (step, [])
 
@@ -619,6 +665,7 @@ class SyncState:
         comm = self._comm()
         for group, point in points.items():
             self._follow_learning_rate(point, self.step)  # carried into this step's gradients
+            self._follow_loss_scale(point, self.step)
             memory = point.hand_over(comm.rank, comm.world_size)  # dropped: none runs again
             if memory is None:
                 continue
@@ -872,6 +919,20 @@ class SyncState:
             point.rescale(ratio)
         point.rates = held_at(point.rates, now)
 
+    def _follow_loss_scale(self, point: CompressionPoint, step: int) -> None:
+        """Where AMP's loss scale changed since the point's memories were last used, scale them
+        by new scale / old (gradsync.loss_scale), before `step` adds to them."""
+        if self._loss_scale is None:
+            return
+        if self._scale[0] != step:  # read once a step (from the device, on a GPU)
+            self._scale = (step, self._loss_scale.now())
+        now = self._scale[1]
+        ratio = loss_scale.ratio(point.loss_scale, now)
+        if ratio != 1.0:
+            point.rescale_units(ratio)
+        if now is not None:
+            point.loss_scale = now
+
     def _set_warmup(self, point: CompressionPoint, step: int) -> None:
         """Where the point's codec warms up (Compressor.warms_up), put it where training stands at
         `step` (_compressed_before)."""
@@ -973,6 +1034,7 @@ class SyncState:
             point.shard_error = saved.get("shard_error")  # absent from checkpoints before two-shot
             rates = saved.get("rates")  # absent from checkpoints before memories followed the rate
             point.rates = None if rates is None else tuple(rates)
+            point.loss_scale = saved.get("loss_scale")  # ... or the loss scale
             points[int(index)] = point
         layout = {int(index): tuple(params) for index, params in state["layout"].items()}
         choices = Router.saved_choices(state["sparse"])
@@ -980,7 +1042,7 @@ class SyncState:
 
         def assign() -> None:
             self.step, self.points, self.layout = step, points, layout
-            self._kept_at = (-1, [])
+            self._kept_at, self._skipped_at = (-1, []), -1  # a step met again is not skipped
             self.sparse.selector.choices = choices
             self._layout_checked = set()
             self._regroup = None

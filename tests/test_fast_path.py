@@ -218,6 +218,19 @@ def test_a_pickled_ef_leaves_its_spare_behind_and_continues_identically() -> Non
         assert same_bits(copy.error, fb.error)
 
 
+def test_an_ef_pickled_by_an_earlier_version_with_one_spare_still_steps() -> None:
+    gs = gradients(3)
+    fb, reference = feedback.build("ef"), feedback.build("ef")
+    ef_step(fb, compress.build("topk", ratio=0.1), gs[0])
+    ef_step(reference, compress.build("topk", ratio=0.1), gs[0])
+    fb.__dict__["_spare"] = None  # the attribute earlier versions pickled
+    copy = pickle.loads(pickle.dumps(fb))
+    for g in gs[1:]:
+        ef_step(copy, compress.build("topk", ratio=0.1), g)
+        ef_step(reference, compress.build("topk", ratio=0.1), g)
+        assert same_bits(copy.error, reference.error)
+
+
 # -- the hook: outputs as before, and the sum decoded into the bucket where nothing needs it -------
 
 

@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "runtime",
         (
-            *("comm", "lane", "sparse.", "strategy", "feedback", "learning_rate", "config", "trace"),
+            *("comm", "lane", "sparse.", "strategy", "feedback", "learning_rate", "loss_scale"),
+            *("config", "trace"),
             *("regroup", "exchange"),
             *("checkpoint", "sync", "ddp", "fsdp", "diloco"),
         ),

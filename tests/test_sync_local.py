@@ -633,3 +633,20 @@ def test_a_model_too_small_to_compress_is_said_once_after_warm_up(caplog: pytest
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         run_steps(new_state(compressor="int4", min_compress_numel=1500), gradients(WARMUP + 3))
     assert not [r for r in caplog.records if "nothing is compressed" in r.getMessage()]
+
+
+def test_a_step_met_again_after_a_restore_is_not_taken_for_the_skipped_one() -> None:
+    # Step s was skipped (not finite); a checkpoint from before s is loaded in the same process
+    # and training meets step s again, finite: it keeps what it sends, as a fresh process would.
+    gs = gradients(3)
+    state = new_state(compressor="topk", compressor_args={"ratio": 0.01})
+    past_warmup(state)
+    saved = state.state_dict()
+    assert not math.isfinite(float(sync(state, torch.full((NUMEL,), math.inf)).sum()))
+    state.load_state_dict(saved)
+    fresh = new_state(compressor="topk", compressor_args={"ratio": 0.01})
+    fresh.load_state_dict(saved)
+    for g in gs:
+        assert torch.equal(sync(state, g), sync(fresh, g))
+    assert same_state(feedback_state(state), feedback_state(fresh))
+    assert any(bool(t.any()) for t in feedback_state(state)[0].values())

@@ -159,6 +159,11 @@ class Compressor:
         streams are not rewound: every rank compressed, so they stay in step anyway.
         """
 
+    def rescale_units(self, ratio: float) -> None:
+        """The gradients' units changed by `ratio` (AMP's loss scale): scale whatever state holds
+        gradients in them (momentum, an accumulator). Nothing here; PowerSGD's warm-start Q is
+        orthogonalized before it is used, so its scale does not matter."""
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the exact same sequence of payloads after a restart."""
         return {}
@@ -294,6 +299,11 @@ class Undoable:
 
     def state(self) -> torch.Tensor | None:
         return None if self.current is None else self.current.clone()
+
+    def scale(self, ratio: float) -> None:
+        """Scale the current value in place (its units changed)."""
+        if self.current is not None:
+            self.current.mul_(ratio)
 
     def load(self, value: torch.Tensor | None) -> None:
         # A copy: the buffers are written in place, and the state dict may be loaded again.

@@ -102,6 +102,10 @@ class DGC(SparsityWarmup, SeededCompressor):
             self._v.undo()
         super().undo()
 
+    def rescale_units(self, ratio: float) -> None:
+        self._u.scale(ratio)  # the momentum and the accumulator hold gradients
+        self._v.scale(ratio)
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "u": self._u.state(), "v": self._v.state()}
 

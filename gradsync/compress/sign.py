@@ -84,6 +84,9 @@ class Signum(SignSGD):
     def undo(self) -> None:
         self._momentum.undo()
 
+    def rescale_units(self, ratio: float) -> None:
+        self._momentum.scale(ratio)  # mixed with the next gradients: the same units
+
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": self._momentum.state()}
 
