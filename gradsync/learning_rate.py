@@ -47,9 +47,7 @@ class LearningRate:
         self._mixed: str | None = None
         self._warned = self._warned_mixed = False
         self._searched = False  # whether now() looked for optimizers among the live objects
-        # The global hook holds this object weakly, and is removed once it is collected.
-        handle = register_optimizer_step_pre_hook(_Seen(weakref.ref(self)))
-        self._release = weakref.finalize(self, handle.remove)
+        _watch(self)
 
     def watch(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Follow the rate over `params` too (parameters met one DDP bucket at a time), from the
@@ -59,7 +57,7 @@ class LearningRate:
 
     def close(self) -> None:
         """Stop watching optimizers' steps."""
-        self._release()
+        _WATCHERS.discard(self)
 
     def now(self) -> Rates | None:
         """The rates of the param groups holding the model's parameters, ordered by their first
@@ -168,13 +166,22 @@ def held_at(before: Rates | None, now: Rates | None) -> Rates | None:
     return tuple(new if new > 0 else old for old, new in zip(before, now, strict=True))
 
 
-class _Seen:
-    """The global hook: tells the watcher, while it lives, which optimizer is stepping."""
+# The watchers PyTorch's one global optimizer step pre-hook tells of each step, held weakly. One
+# hook for the process, never removed: a hook removed as its watcher is collected could go while
+# PyTorch iterates over the hooks (a collection can run inside any hook), which fails there
+# ("OrderedDict mutated during iteration").
+_WATCHERS: weakref.WeakSet[LearningRate] = weakref.WeakSet()
+_hooked = False
 
-    def __init__(self, watcher: weakref.ref[LearningRate]) -> None:
-        self._watcher = watcher
 
-    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        watcher = self._watcher()
-        if watcher is not None:
-            watcher._seen(optimizer)
+def _watch(watcher: LearningRate) -> None:
+    global _hooked
+    _WATCHERS.add(watcher)
+    if not _hooked:
+        _hooked = True
+        register_optimizer_step_pre_hook(_seen)
+
+
+def _seen(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for watcher in list(_WATCHERS):
+        watcher._seen(optimizer)

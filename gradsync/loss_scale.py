@@ -10,11 +10,13 @@ scales each point's memories by S_now / S_then before a step adds to them
 GradScaler trains bit for bit as the same run without it (tests/distributed/test_dist_loss_scale.py).
 
 The hook does not see the scaler. GradScaler.step(optimizer) calls optimizer.step() from a method
-of its own, so PyTorch's global optimizer step pre-hook finds the scaler one or two frames up,
-at the first step it takes (a fresh run's first compressed step comes after two optimizer steps;
-a resumed run's first may come before, and then follows the scale from its second). Its scale is
-then read once a step: on a GPU, one number copied from the device, a sync. Without a scaler (bf16,
-or no AMP) nothing is read, and the hook costs a frame lookup per optimizer step.
+of its own, so a global optimizer step pre-hook (one for the process, registered by the first
+state that follows the scale, never removed: removing one while PyTorch iterates over them fails)
+finds the scaler a frame or two up, at the first step it takes; the first one seen is followed
+while it lives. A fresh run's first compressed step comes after two optimizer steps; a resumed
+run's first may come before, and follows the scale from its second. The scale is then read once a
+step: on a GPU, one number copied from the device, a sync. Without a scaler (bf16, or no AMP)
+nothing is read, and the hook costs a look at a few frames per optimizer step.
 """
 
 from __future__ import annotations
@@ -28,35 +30,28 @@ from torch.amp import GradScaler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _FRAMES_UP = 4  # how far above the optimizer's step a GradScaler's method is looked for
+# The GradScaler methods that call optimizer.step(): only their frames' locals are read (reading a
+# frame's locals builds a dict, and an allocation inside a hook can run the garbage collector).
+_STEPPING = frozenset({"_maybe_opt_step", "step"})
+_scaler: weakref.ref[GradScaler] | None = None  # the GradScaler seen stepping an optimizer
+_watching = False
 
 
-class LossScale:
-    """The scale of the GradScaler that steps this process's optimizers, once seen."""
+def watch() -> None:
+    """Look for the GradScaler that steps this process's optimizers, from now on."""
+    global _watching
+    if not _watching:
+        _watching = True
+        register_optimizer_step_pre_hook(_seen)
 
-    def __init__(self) -> None:
-        self._scaler: weakref.ref[GradScaler] | None = None
-        # The global hook holds this object weakly, and is removed once it is collected.
-        handle = register_optimizer_step_pre_hook(_Seen(weakref.ref(self)))
-        self._release = weakref.finalize(self, handle.remove)
 
-    def now(self) -> float | None:
-        """The scale this step's gradients are multiplied by; None where no enabled scaler has
-        stepped an optimizer yet."""
-        scaler = self._scaler() if self._scaler is not None else None
-        if scaler is None or not scaler.is_enabled():
-            return None
-        return scaler.get_scale()
-
-    def close(self) -> None:
-        """Stop watching optimizers' steps."""
-        self._release()
-
-    def _seen(self, scaler: GradScaler) -> None:
-        self._scaler = weakref.ref(scaler)
-
-    @property
-    def found(self) -> bool:
-        return self._scaler is not None and self._scaler() is not None
+def now() -> float | None:
+    """The scale this step's gradients are multiplied by; None where no enabled scaler has
+    stepped an optimizer since watch()."""
+    scaler = _scaler() if _scaler is not None else None
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return scaler.get_scale()
 
 
 def ratio(before: float | None, now: float | None) -> float:
@@ -67,23 +62,18 @@ def ratio(before: float | None, now: float | None) -> float:
     return now / before
 
 
-class _Seen:
-    """The global hook: tells the watcher, while it lives and has not found one, which
-    GradScaler (if any) is stepping the optimizer."""
-
-    def __init__(self, watcher: weakref.ref[LossScale]) -> None:
-        self._watcher = watcher
-
-    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        watcher = self._watcher()
-        if watcher is None or watcher.found:
+def _seen(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The global hook: notes the GradScaler stepping `optimizer`, where none is followed."""
+    global _scaler
+    if _scaler is not None and _scaler() is not None:
+        return
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES_UP):
+        if frame is None:
             return
-        frame = sys._getframe(1)
-        for _ in range(_FRAMES_UP):
-            if frame is None:
-                return
+        if frame.f_code.co_name in _STEPPING:
             caller = frame.f_locals.get("self")
             if isinstance(caller, GradScaler):
-                watcher._seen(caller)
+                _scaler = weakref.ref(caller)
                 return
-            frame = frame.f_back
+        frame = frame.f_back

@@ -48,7 +48,6 @@ from .config import NO_COMPRESSION, PlanLike, SyncConfig, build_codec, require_c
 from .feedback import Feedback
 from .lane import Lane
 from .learning_rate import LearningRate, Rates, held_at
-from .loss_scale import LossScale
 from .regroup import Regroup
 from .sparse.router import Router, Table
 from .sparse.rows import SparseRows
@@ -224,7 +223,9 @@ class SyncState:
         follows = model is not None and self.follows_learning_rate
         self._learning_rate = LearningRate(params) if follows else None
         self._rates: tuple[int, Rates | None] = (-1, None)  # (step, the rates read at it)
-        self._loss_scale = LossScale() if self.follows_loss_scale else None
+        self._follows_scale = self.follows_loss_scale
+        if self._follows_scale:
+            loss_scale.watch()
         self._scale: tuple[int, float | None] = (-1, None)  # (step, the loss scale read at it)
         # -- the plan executed from the first compressed step on; None: config.compressor per bucket
         self.plan: PlanLike | None = None
@@ -298,8 +299,6 @@ class SyncState:
         would otherwise idle a minute; a later exchange starts one again)."""
         if self._learning_rate is not None:
             self._learning_rate.close()
-        if self._loss_scale is not None:
-            self._loss_scale.close()
         self.lane.stop()
 
     def sync(
@@ -471,7 +470,6 @@ class SyncState:
             "_param_index": None,
             "_binds_default_group": unbound,
             "_learning_rate": None,  # it watches this process's optimizers
-            "_loss_scale": None,  # it follows this process's GradScaler
             "_kept_at": (-1, []),  # undone only within the step that kept it
             "_finishing": None,
         }
@@ -922,10 +920,10 @@ class SyncState:
     def _follow_loss_scale(self, point: CompressionPoint, step: int) -> None:
         """Where AMP's loss scale changed since the point's memories were last used, scale them
         by new scale / old (gradsync.loss_scale), before `step` adds to them."""
-        if self._loss_scale is None:
+        if not self._follows_scale:
             return
         if self._scale[0] != step:  # read once a step (from the device, on a GPU)
-            self._scale = (step, self._loss_scale.now())
+            self._scale = (step, loss_scale.now())
         now = self._scale[1]
         ratio = loss_scale.ratio(point.loss_scale, now)
         if ratio != 1.0:

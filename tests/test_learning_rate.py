@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -305,17 +306,24 @@ def test_ratio_rules(caplog: pytest.LogCaptureFixture) -> None:
     assert len([r for r in caplog.records if "different factors" in r.message]) == 1
 
 
-def test_the_global_hook_goes_with_the_watcher() -> None:
+def test_one_global_hook_serves_every_watcher_and_a_collected_one_is_let_go() -> None:
+    # Watchers come and go without adding or removing PyTorch's hooks: removing one as a watcher
+    # is collected, which can happen inside another hook, fails PyTorch's iteration over them.
     from torch.optim import optimizer as optim_module
 
+    from gradsync import learning_rate
+
     hooks = optim_module._global_optimizer_pre_hooks
-    gc.collect()  # other tests' watchers, already unreachable, go first
-    before = len(hooks)
-    watcher = LearningRate(_model().parameters())
-    assert len(hooks) == before + 1
-    del watcher
+    first = LearningRate(_model().parameters())
+    count = len(hooks)
+    second = LearningRate(_model().parameters())
+    assert len(hooks) == count
+    gone = weakref.ref(first)
+    del first
     gc.collect()
-    assert len(hooks) == before
+    assert gone() is None and second in learning_rate._WATCHERS
+    second.close()
+    assert second not in learning_rate._WATCHERS and len(hooks) == count
 
 
 def test_a_memory_waits_at_its_last_positive_rate() -> None:

@@ -22,26 +22,27 @@ def _step(
 
 
 def test_the_scaler_that_steps_the_optimizer_is_followed_as_its_scale_moves() -> None:
-    follower = loss_scale.LossScale()
+    loss_scale.watch()
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(None, optimizer, model)
-    assert follower.now() is None  # an optimizer stepped, by no scaler
+    assert loss_scale.now() is None  # an optimizer stepped, by no scaler
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
     _step(scaler, optimizer, model)
-    assert follower.now() == scaler.get_scale() == 2.0**5  # grown after one good step
+    assert loss_scale.now() == scaler.get_scale() == 2.0**5  # grown after one good step
     _step(scaler, optimizer, model)
-    assert follower.now() == 2.0**6
-    follower.close()
+    assert loss_scale.now() == 2.0**6
+    del scaler
+    assert loss_scale.now() is None  # followed while it lives
 
 
 def test_a_disabled_scaler_gives_no_scale() -> None:
-    follower = loss_scale.LossScale()
+    loss_scale.watch()
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(torch.amp.GradScaler("cpu", enabled=False), optimizer, model)
-    assert follower.now() is None
-    follower.close()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    _step(scaler, optimizer, model)
+    assert loss_scale.now() is None
 
 
 def test_the_ratio_takes_a_memory_into_the_new_scales_units() -> None:

@@ -40,7 +40,7 @@ def _train(rank: int, cfg: gradsync.SyncConfig, scaled: bool, follow: bool, over
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if scaled else None
     state = gradsync.register(model, cfg)
     if not follow:
-        state._loss_scale = None
+        state._follows_scale = False
     opt = sgd(model)
     for step in range(STEPS):
         x, y = batch(rank, step)
