@@ -479,3 +479,16 @@ def test_until_flat_is_checked(kwargs, words):
         train.BenchOptions(**kwargs)
     for word in words:
         assert word in str(err.value)
+
+
+def test_the_caption_names_the_machine_the_runs_measured_as_its_document_recorded_it():
+    document = _document()
+    document["meta"]["machine"] = {"cores": 2, "cpu": "x86_64"}  # an old document: no model, no speeds
+    assert "on 2 cores (x86_64). " in report.conditions(document)
+    document["meta"]["machine"].update(
+        cpu_model="Intel(R) Xeon(R) Processor", matmul_gflops_1_thread=107.6, copy_gbytes_per_s_1_thread=8.9
+    )
+    assert (
+        "on 2 cores (Intel(R) Xeon(R) Processor, one thread 107.6 GFLOP/s matmul and 8.9 GB/s copy). "
+        in report.conditions(document)
+    )

@@ -170,15 +170,11 @@ def metadata(numel: int, threads: int, repeats: int, device: str = "cpu") -> dic
 
 def table(document: dict[str, Any]) -> str:
     """The Markdown table of a results document as write_json stores it."""
-    from .report import tree_note
+    from .report import cores_note, tree_note
 
     results = [KernelResult(**r) for r in document["results"]]
     meta = document["meta"]
-    where = (
-        f"one {meta['gpu']}"
-        if "gpu" in meta
-        else f"{meta['machine']['cores']} cores ({meta['machine']['cpu']})"
-    )
+    where = f"one {meta['gpu']}" if "gpu" in meta else cores_note(meta["machine"])
     return format_table(results, threads=None if "gpu" in meta else meta["threads"]) + (
         f"\n\nMedian of {meta['repeats']} calls each, on {where}, torch {meta['machine']['torch']}; "
         f"commit {meta['commit'][:12]}{tree_note(meta.get('dirty', False))}, {meta['date']}."

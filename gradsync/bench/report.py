@@ -108,7 +108,7 @@ def conditions(document: dict[str, Any]) -> str:
     )
     return (
         f"{meta['workload_description']}; {options['world_size']} ranks, {options['steps']} steps{stopped}, "
-        f"{options['threads']} torch thread(s) per rank, on {meta['machine']['cores']} cores. "
+        f"{options['threads']} torch thread(s) per rank, on {cores_note(meta['machine'])}. "
         f"Network: {network['description']}{probe}. Step times and bytes count the "
         f"{options['steps'] - meta['steady_from']} steps from step {meta['steady_from']} on (after the "
         "fp32 warm-up). "
@@ -134,6 +134,24 @@ def allocator_note(meta: dict[str, Any]) -> str:
     if not settings:
         return ""
     return f" Every run had {', '.join(f'{k}={v}' for k, v in settings.items())}."
+
+
+def cores_note(machine: dict[str, Any]) -> str:
+    """The machine as a caption says it: its cores, the CPU model and one thread's speeds, where the
+    document recorded them (older documents name only the cores). CPU-bound steps move
+    with the machine, not only with the code, so a caption that names it lets a reader tell the
+    two apart."""
+    model = machine.get("cpu_model") or machine.get("cpu")
+    speeds = [
+        f"{machine[key]} {unit}"
+        for key, unit in (
+            ("matmul_gflops_1_thread", "GFLOP/s matmul"),
+            ("copy_gbytes_per_s_1_thread", "GB/s copy"),
+        )
+        if machine.get(key) is not None
+    ]
+    one_thread = f", one thread {' and '.join(speeds)}" if speeds else ""
+    return f"{machine['cores']} cores" + (f" ({model}{one_thread})" if model else "")
 
 
 def reference_name(meta: dict[str, Any]) -> str:

@@ -275,7 +275,7 @@ def conditions(document: dict[str, Any]) -> str:
         f"medians over the steps from step {options['steady_from']} on{_later(meta)}; CPU: the time "
         "every thread of rank 0's process spent per step (compute, hook, communication library). "
         f"Network: {network['description']}"
-        f"{probe}. Machine: {meta['machine']['cores']} cores shared by all ranks (CPU work weighs "
+        f"{probe}. Machine: {report.cores_note(meta['machine'])} shared by all ranks (CPU work weighs "
         f"more than on real hosts), torch {meta['machine']['torch']}; commit {meta['commit'][:12]}"
         f"{report.tree_note(meta['dirty'])}, {meta['date']}.{report.allocator_note(meta)}{_adopted(document)}"
     )

@@ -119,7 +119,7 @@ def conditions(document: dict[str, Any]) -> str:
     model_alpha_us = meta["model_network"]["alpha_s"] * 1e6
     return (
         f"{options['hosts']} ranks, one process each with {options['threads']} torch thread(s), on "
-        f"{meta['machine']['cores']} cores; gloo. Network: {network['description']}{probe}. {inputs} "
+        f"{report.cores_note(meta['machine'])}; gloo. Network: {network['description']}{probe}. {inputs} "
         f"Each scheme: {options['warmup']} warm-up exchange(s), then {options['reps']} timed, each after a "
         "barrier; a rep's time is the slowest rank's. The time is the exchange() call (the sum in the form "
         "the scheme ends with); every exchange's sum is checked against dense's and for equal bits on every "
