@@ -26,7 +26,9 @@ registration or from a restored checkpoint's step r; r = 0 for a fresh run):
                       an evaluation say, is not counted. Each candidate's first step is not
                       counted (allocations). Where one candidate hands over to the next, what
                       its error memories hold back is carried into the next step's gradients:
-                      nothing the compression held back is lost.
+                      nothing the compression held back is lost. The candidate that runs as the
+                      measured steps ran (fp32 on DDP's buckets) is not run again: their times,
+                      taken as a probe step's, are its measurement.
   runoff              where the runner-up's time is within autoplan.RUNOFF_MARGIN of the fastest's,
                       the two run STEPS_EACH steps each again, in reverse order (two counted
                       steps are few on a busy host, and a run's first steps are its slowest).
@@ -276,6 +278,9 @@ class AutoState(SyncState):
         # rank 0's compression errors per parameter position and level (the planner's budget).
         self._measurement: Measured | None = None
         self._errors: dict[int, dict[str, float]] = {}
+        # The measured steps' own times, taken as a probe step's: they ran uncompressed on DDP's
+        # buckets, so they measure that plan where it is a candidate (_make_candidates).
+        self._uncompressed_s: list[float] = []
         self._closed = False
 
     @property
@@ -311,7 +316,8 @@ class AutoState(SyncState):
             self.between_s = min(self.between_s, self.timer.forward_start[self._forward[step]] - synced)
         slot, into = divmod(step - self.probe_from, STEPS_EACH)
         measured = None  # the candidates' times, where taken at the first round's end
-        if slot == len(self.order) == len(self.candidates) and into == 0:
+        # The first round's end: every slot so far a different candidate (a runoff repeats two).
+        if slot == len(self.order) == len(set(self.order)) and into == 0:
             measured = self._measured_s()
             self.order.extend(runoff(measured) or ())
         if slot >= len(self.order):
@@ -410,6 +416,7 @@ class AutoState(SyncState):
             self._carry = carry
             self._started = -1
             self._measurement, self._errors = None, {}  # a measuring step is measured afresh
+            self._uncompressed_s = []
             # A step before the restore's is never counted as one after it; the timer's hooks are
             # as the phase restored has them (_adopt closes it, _measure keeps the forward pass's
             # start), also where an earlier phase in this process removed them.
@@ -452,6 +459,8 @@ class AutoState(SyncState):
         indices = [self._forward[k] for k in steps if k in self._forward]
         self._measurement = measure(self.timer, self._comm(), self.config, self.names, indices)
         self._errors = {}
+        synced, started = self.timer.synced, self.timer.forward_start
+        self._uncompressed_s = [synced[i] - started[i] for i in indices[:-1] if i in synced]
         self.timer.stop_gradients()
 
     def _make_candidates(self) -> None:
@@ -477,11 +486,24 @@ class AutoState(SyncState):
             raise RuntimeError(f"gradsync plan='auto': planning failed on rank 0, so everywhere: {lists[0]}")
         self.candidates = [Plan.from_dict(p) for p in lists[0]]
         self.probe_from = max(self._started, self.config.warmup_steps)
-        self.order = list(range(len(self.candidates)))
-        self._measurement, self._errors = None, {}
+        # A candidate the measured steps ran already (fp32 on DDP's buckets) is not run again:
+        # their times are its measurement. On a slow link its probe steps were planning's slowest
+        # (examples/train.py at 1 Gbit/s: three of 1.3 to 1.5 s against the adopted plan's 0.6 s).
+        ran = [c for c, plan in enumerate(self.candidates) if self._ran_measuring(plan, buckets)]
+        self.probe_s = {c: list(self._uncompressed_s) for c in ran}
+        self.order = [c for c in range(len(self.candidates)) if c not in ran]
+        self._measurement, self._errors, self._uncompressed_s = None, {}, []
         log.info(
             "gradsync plan='auto': %d candidates, tried from step %d", len(self.candidates), self.probe_from
         )
+
+    def _ran_measuring(self, plan: Plan, buckets: Sequence[Sequence[int]]) -> bool:
+        """Whether `plan` is what the measured steps ran: every DDP bucket a group, uncompressed
+        (on a model without embedding tables the sparse scheme sends nothing, so none is named)."""
+        plain = Strategy()
+        ran = all(s == self._uncompressed or (s == plain and not self._embeddings) for s in plan.strategies)
+        groups = {frozenset(g.params) for g in plan.groups}
+        return ran and len(plan.groups) == len(buckets) and groups == {frozenset(b) for b in buckets}
 
     def _measured_s(self) -> list[float]:
         """Each candidate's measured step: the slowest rank's least of its counted steps (load

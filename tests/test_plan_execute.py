@@ -251,6 +251,45 @@ def test_plan_auto_runs_off_close_candidates_and_keeps_the_winner_running(
         assert kept == []  # made afresh, with what the last candidate's memories held carried
 
 
+def test_plan_auto_takes_the_measured_steps_as_the_probe_of_the_plan_they_ran(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The steps that measured the timeline ran uncompressed on DDP's buckets; where that plan is a
+    # candidate, their times are its measurement and it is not run again (sparse_scheme="dense":
+    # no embedding rows routed apart, so those steps ran the plan's plain allreduces).
+    model = DistributedDataParallel(Net(), bucket_cap_mb=0.001)  # several buckets
+    state = gradsync.register(model, config(plan="auto", compressor="qsgd", sparse_scheme="dense"))
+    assert isinstance(state, AutoState)
+    made = tuner.candidates
+
+    def fp32_first(measured: autoplan.Measured, cfg: SyncConfig, model_signature: str, buckets: Any) -> list:
+        fp32 = Plan(
+            model_signature,
+            1,
+            tuple(GroupPlan(tuple(b), sum(state.numels[p] for p in b), "none") for b in buckets),
+            meta={"chosen": "none, DDP buckets"},
+        )
+        others = made(measured, cfg, model_signature, buckets)
+        return [fp32, *[p for p in others if not state._ran_measuring(p, buckets)][: autoplan.CANDIDATES - 1]]
+
+    monkeypatch.setattr(tuner, "candidates", fp32_first)
+    _train(model, tuner.warmup_steps(state.config) + 1)
+    assert state.done and len(state.candidates) > 1
+    # One forward pass per step: the timer's index of a step is the step. Steps 2 .. MEASURED are
+    # the counted ones of the timeline (the first two are DDP's one-off steps).
+    timer = state.timer
+    ran_s = [timer.synced[k] - timer.forward_start[k] for k in range(2, tuner.MEASURED + 1)]
+    # Its measurement first; probe steps follow only where a runoff calls it.
+    assert state.probe_s[0][: len(ran_s)] == ran_s
+    assert state.stats()["auto"]["candidates"][0]["measured_s"] == state.probe_s[0]
+    others = list(range(1, len(state.candidates)))
+    assert state.order[: len(others)] == others  # the first round, without it
+    probed = {c: (tuner.STEPS_EACH - 1) * state.order.count(c) for c in range(len(state.candidates))}
+    assert all(len(state.probe_s[c]) == probed[c] for c in others)
+    assert len(state.probe_s[0]) == len(ran_s) + probed[0]
+    assert state.adopted_at == state.probe_from + len(state.order) * tuner.STEPS_EACH
+
+
 def test_plan_auto_times_its_probe_steps_without_what_the_script_does_between_them(one_rank: None) -> None:
     # A script that evaluates between steps (here every other step: an evaluation's forward
     # passes and 0.3 s of other work) must not make the candidates it lands on look slower. The

@@ -7,9 +7,11 @@
   same candidates in the same order; one taken after adoption continues the exact same trajectory,
   bit for bit. One whose plan is damaged on one rank is refused on both, and neither takes any of it.
 
-Every runner-up is made close (RUNOFF_MARGIN infinite on the ranks), so that every run has a runoff
-and the phases fall on known steps; whether real times call one is tested in tests/test_autoplan.py
-and tests/test_plan_execute.py.
+Every runner-up is made close (RUNOFF_MARGIN infinite on the ranks), so that every run has a runoff,
+and every candidate is probed (the fp32 one too, whose measured steps would otherwise stand for its
+probe), so that the phases fall on known steps; whether real times call a runoff, and the fp32
+candidate measured by the steps that measured the timeline, are tested in tests/test_autoplan.py and
+tests/test_plan_execute.py.
 """
 
 from __future__ import annotations
@@ -58,9 +60,16 @@ def _checkpoint(state: gradsync.SyncState, model: nn.Module, opt: torch.optim.Op
     return out.getvalue()
 
 
+def _probe_every_candidate() -> None:
+    """On a rank: a runoff after every first round, and no candidate measured by the timeline's
+    steps in place of its probe (module docstring)."""
+    autoplan.RUNOFF_MARGIN = math.inf
+    tuner.AutoState._ran_measuring = lambda self, plan, buckets: False  # type: ignore[method-assign]
+
+
 def _auto_run(rank: int, world_size: int, feedback: str) -> dict[str, Any]:
     """Train STEPS steps with plan="auto", checkpointing at each SAVE_AT step."""
-    autoplan.RUNOFF_MARGIN = math.inf
+    _probe_every_candidate()
     model = ddp(make_mlp(0))
     state = gradsync.register(model, config(plan="auto", error_feedback=feedback, **CODEC))
     opt = sgd(model)
@@ -88,7 +97,7 @@ def _noted(state: tuner.AutoState) -> tuple[int, int]:
 
 def _restored_runs(rank: int, world_size: int, saved: list[dict[int, bytes]]) -> dict[Any, dict[str, Any]]:
     """From each of this rank's checkpoints, a fresh model and state trained on to STEPS."""
-    autoplan.RUNOFF_MARGIN = math.inf
+    _probe_every_candidate()
     out = {}
     for step, data in saved[rank].items():
         checkpoint = torch.load(io.BytesIO(data), weights_only=False)
