@@ -259,6 +259,9 @@ class SyncState:
         # Per parameter, what to add to its next gradient (the average's share) before it is
         # exchanged: error memories of a plan given up (plan="auto" hands over between plans).
         self._carry: dict[int, torch.Tensor] = {}
+        # The loss scale and learning rates what is carried is held at, as a point's memories
+        # (_follow_carry): a carry put back by a skipped step waits for the next at them.
+        self._carry_at: tuple[float | None, Rates | None] = (None, None)
         # A step whose average is not finite in one group keeps nothing in any (the optimizer
         # skips it whole): the step and the points that kept what its finite groups sent, each
         # with what it took of the carry, to undo where a later group of the step is not finite;
@@ -492,7 +495,7 @@ class SyncState:
         started = time.perf_counter()
         if not strategy.compressed:
             x.div_(comm.world_size)
-            carried = self._add_carried(x, params)
+            carried = self._add_carried(x, params, step)
             tables = self._tables(params, x.numel(), strategy)
             future = exchange.uncompressed(x, route, tables, strategy.scheme)
             shown = self.plan is None or compress  # a plan's warm-up runs DDP's buckets, not its groups
@@ -533,7 +536,7 @@ class SyncState:
             p, corrected = deferred
         else:  # prepare writes spares only: the memories stay untouched until update
             p, corrected = point.feedback.prepare(x, comm.world_size) if divisor == 1 else x, None
-            carried = self._add_carried(p, params)
+            carried = self._add_carried(p, params, step)
         # What is compressed is checked, not the gradient: a memory added to a finite gradient can
         # pass a narrow dtype's range (fp16's 65504), and a payload that hides it (natural
         # compression saturates) would leave an inf in the memory, and every later step skipped.
@@ -661,9 +664,11 @@ class SyncState:
         if not points:  # nothing held (and maybe no process group bound yet)
             return
         comm = self._comm()
+        self._follow_carry(self.step)  # what waits already, in this step's units
         for group, point in points.items():
             self._follow_learning_rate(point, self.step)  # carried into this step's gradients
             self._follow_loss_scale(point, self.step)
+            self._carry_at = (point.loss_scale, point.rates)
             memory = point.hand_over(comm.rank, comm.world_size)  # dropped: none runs again
             if memory is None:
                 continue
@@ -673,12 +678,15 @@ class SyncState:
                 held = self._carry.get(param)
                 self._carry[param] = part if held is None else held.add_(part)
 
-    def _add_carried(self, x: torch.Tensor, params: Sequence[int] | None) -> dict[int, torch.Tensor]:
+    def _add_carried(
+        self, x: torch.Tensor, params: Sequence[int] | None, step: int
+    ) -> dict[int, torch.Tensor]:
         """x += what is carried for its parameters (in buffer order), which is then used up;
         returned, for a step found non-finite to put back (the average is NaN: it would be lost)."""
         taken: dict[int, torch.Tensor] = {}
         if not self._carry or params is None:
             return taken
+        self._follow_carry(step)
         flat, offset = x.view(-1), 0
         for param in params:
             numel = self._param_shapes[param].numel()
@@ -906,12 +914,10 @@ class SyncState:
         then found non-finite: the memories hold the same movement at the rate now applied."""
         if self._learning_rate is None:
             return
-        if self._rates[0] != step:  # read once a step (a tensor rate is read from its device)
-            self._rates = (step, self._learning_rate.now())
         if not self._momentum_checked and isinstance(point.feedback, feedback.MomentumCorrection):
             self._momentum_checked = self._learning_rate.optimizers_known
             self._check_momentum(point.feedback.momentum)
-        now = self._rates[1]
+        now = self._rates_at(step)
         ratio = self._learning_rate.ratio(point.rates, now)
         if ratio != 1.0:
             point.rescale(ratio)
@@ -922,14 +928,44 @@ class SyncState:
         by new scale / old (gradsync.loss_scale), before `step` adds to them."""
         if not self._follows_scale:
             return
-        if self._scale[0] != step:  # read once a step (from the device, on a GPU)
-            self._scale = (step, loss_scale.now())
-        now = self._scale[1]
+        now = self._scale_at(step)
         ratio = loss_scale.ratio(point.loss_scale, now)
         if ratio != 1.0:
             point.rescale_units(ratio)
         if now is not None:
             point.loss_scale = now
+
+    def _follow_carry(self, step: int) -> None:
+        """Bring what is carried to `step`'s loss scale and learning rates, as a point's memories
+        are brought (the two methods above): a carry put back by a skipped step would otherwise
+        enter the next step's gradients at the skipped one's scale (GradScaler halves it there)."""
+        if not self._carry:
+            return
+        scale, rates = self._carry_at
+        ratio = 1.0
+        if self._follows_scale:
+            now = self._scale_at(step)
+            ratio *= loss_scale.ratio(scale, now)
+            scale = now if now is not None else scale
+        if self._learning_rate is not None:
+            now_rates = self._rates_at(step)
+            ratio *= self._learning_rate.ratio(rates, now_rates)
+            rates = held_at(rates, now_rates)
+        if ratio != 1.0:
+            for held in self._carry.values():
+                held.mul_(ratio)
+        self._carry_at = (scale, rates)
+
+    def _scale_at(self, step: int) -> float | None:
+        if self._scale[0] != step:  # read once a step (from the device, on a GPU)
+            self._scale = (step, loss_scale.now())
+        return self._scale[1]
+
+    def _rates_at(self, step: int) -> Rates | None:
+        assert self._learning_rate is not None
+        if self._rates[0] != step:  # read once a step (a tensor rate is read from its device)
+            self._rates = (step, self._learning_rate.now())
+        return self._rates[1]
 
     def _set_warmup(self, point: CompressionPoint, step: int) -> None:
         """Where the point's codec warms up (Compressor.warms_up), put it where training stands at

@@ -363,6 +363,8 @@ class AutoState(SyncState):
             "adopted_at": self.adopted_at,
             "plan": plan,
             "carry": {p: t.clone() for p, t in self._carry.items()},
+            # The loss scale and learning rates it is held at (SyncState._follow_carry).
+            "carry_at": [self._carry_at[0], None if self._carry_at[1] is None else list(self._carry_at[1])],
         }
         return {**super()._own_state(), "auto": auto}
 
@@ -400,6 +402,9 @@ class AutoState(SyncState):
         # Older checkpoints timed whole steps, from one forward pass to the next: nothing is added.
         between_s = auto.get("between_s", 0.0 if probe_s else math.inf)
         carry = {int(p): t.clone() for p, t in auto["carry"].items()}
+        # Older checkpoints did not say: taken as held at the scale and rates of the next step.
+        scale, rates = auto.get("carry_at", (None, None))
+        carry_at = (scale, None if rates is None else tuple(rates))
         # The points saved are those of the plan in use (none: config.compressor's, measuring).
         restore = super()._prepare_restore(state, list(plan.strategies) if plan is not None else [])
 
@@ -413,7 +418,7 @@ class AutoState(SyncState):
             else:
                 self.plan, self._strategies = None, []
             restore()  # the points of the plan in use, and the step
-            self._carry = carry
+            self._carry, self._carry_at = carry, carry_at
             self._started = -1
             self._measurement, self._errors = None, {}  # a measuring step is measured afresh
             self._uncompressed_s = []
