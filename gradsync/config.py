@@ -195,10 +195,16 @@ class SyncConfig:
         return own
 
     def _check_nothing_compressed(self) -> None:
-        if self.error_feedback not in ("auto", "none") or self.error_feedback_args:
+        given = []
+        if self.error_feedback not in ("auto", "none"):
+            given.append(f"error_feedback={self.error_feedback!r}")
+        if self.error_feedback_args:
+            given.append(f"error_feedback_args={dict(self.error_feedback_args)}")
+        if given:
             raise ValueError(
-                f"error_feedback={self.error_feedback!r} given, but compressor='none': nothing is lost "
-                "without compression, so there is no error to feed back; leave it at 'auto'"
+                f"{' and '.join(given)} given, but compressor='none': nothing is lost without "
+                "compression, so there is no error to feed back; leave error_feedback at 'auto' and "
+                "drop error_feedback_args"
             )
 
     def _check_feedback(self, name: str) -> None:

@@ -431,3 +431,11 @@ def test_compressor_none_compresses_nothing_and_has_no_feedback() -> None:
 def test_compressor_none_refuses_compression_settings_naming_the_fix(extra: dict) -> None:
     with pytest.raises(ValueError, match="compressor='none'"):
         SyncConfig(compressor="none", **extra)
+
+
+def test_compressor_none_refuses_feedback_arguments_naming_them_not_the_form_left_alone() -> None:
+    with pytest.raises(ValueError) as refused:
+        SyncConfig(compressor="none", error_feedback_args={"eta": 0.1})
+    message = str(refused.value)
+    assert "error_feedback_args={'eta': 0.1}" in message and "compressor='none'" in message
+    assert "error_feedback='auto' given" not in message
