@@ -17,7 +17,7 @@ mixed into the local one as alpha * local + (1 - alpha) * global.
 The global parameters are bit-identical on every rank after every sync: every rank decodes the
 same average and applies the same outer step.
 
-(About 480 lines: the outer loop, its fragments' schedule, its checkpoint and the checks that
+(Over 500 lines: the outer loop, its fragments' schedule, its checkpoint and the checks that
 every rank runs alike are one object's state; the pure pieces, cut() and check_options(), are
 functions here because nothing else uses them.)
 """
