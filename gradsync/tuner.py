@@ -278,9 +278,6 @@ class AutoState(SyncState):
         # rank 0's compression errors per parameter position and level (the planner's budget).
         self._measurement: Measured | None = None
         self._errors: dict[int, dict[str, float]] = {}
-        # The measured steps' own times, taken as a probe step's: they ran uncompressed on DDP's
-        # buckets, so they measure that plan where it is a candidate (_make_candidates).
-        self._uncompressed_s: list[float] = []
         self._closed = False
 
     @property
@@ -421,7 +418,6 @@ class AutoState(SyncState):
             self._carry, self._carry_at = carry, carry_at
             self._started = -1
             self._measurement, self._errors = None, {}  # a measuring step is measured afresh
-            self._uncompressed_s = []
             # A step before the restore's is never counted as one after it; the timer's hooks are
             # as the phase restored has them (_adopt closes it, _measure keeps the forward pass's
             # start), also where an earlier phase in this process removed them.
@@ -464,8 +460,6 @@ class AutoState(SyncState):
         indices = [self._forward[k] for k in steps if k in self._forward]
         self._measurement = measure(self.timer, self._comm(), self.config, self.names, indices)
         self._errors = {}
-        synced, started = self.timer.synced, self.timer.forward_start
-        self._uncompressed_s = [synced[i] - started[i] for i in indices[:-1] if i in synced]
         self.timer.stop_gradients()
 
     def _make_candidates(self) -> None:
@@ -495,9 +489,14 @@ class AutoState(SyncState):
         # their times are its measurement. On a slow link its probe steps were planning's slowest
         # (examples/train.py at 1 Gbit/s: three of 1.3 to 1.5 s against the adopted plan's 0.6 s).
         ran = [c for c, plan in enumerate(self.candidates) if self._ran_measuring(plan, buckets)]
-        self.probe_s = {c: list(self._uncompressed_s) for c in ran}
+        # The counted steps of the timeline (_measure's, but the last, which only ends them), each
+        # timed as a probe step is.
+        timed = [self._forward.get(k) for k in range(self.measure_from + 2, self.measure_from + MEASURING)]
+        synced, started = self.timer.synced, self.timer.forward_start
+        measured_s = [synced[i] - started[i] for i in timed if i is not None and i in synced]
+        self.probe_s = {c: list(measured_s) for c in ran}
         self.order = [c for c in range(len(self.candidates)) if c not in ran]
-        self._measurement, self._errors, self._uncompressed_s = None, {}, []
+        self._measurement, self._errors = None, {}
         log.info(
             "gradsync plan='auto': %d candidates, tried from step %d", len(self.candidates), self.probe_from
         )
@@ -507,8 +506,7 @@ class AutoState(SyncState):
         (on a model without embedding tables the sparse scheme sends nothing, so none is named)."""
         plain = Strategy()
         ran = all(s == self._uncompressed or (s == plain and not self._embeddings) for s in plan.strategies)
-        groups = {frozenset(g.params) for g in plan.groups}
-        return ran and len(plan.groups) == len(buckets) and groups == {frozenset(b) for b in buckets}
+        return ran and {frozenset(g.params) for g in plan.groups} == {frozenset(b) for b in buckets}
 
     def _measured_s(self) -> list[float]:
         """Each candidate's measured step: the slowest rank's least of its counted steps (load

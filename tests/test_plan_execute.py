@@ -263,12 +263,7 @@ def test_plan_auto_takes_the_measured_steps_as_the_probe_of_the_plan_they_ran(
     made = tuner.candidates
 
     def fp32_first(measured: autoplan.Measured, cfg: SyncConfig, model_signature: str, buckets: Any) -> list:
-        fp32 = Plan(
-            model_signature,
-            1,
-            tuple(GroupPlan(tuple(b), sum(state.numels[p] for p in b), "none") for b in buckets),
-            meta={"chosen": "none, DDP buckets"},
-        )
+        fp32 = make_plan(model, [(b, "none") for b in buckets])
         others = made(measured, cfg, model_signature, buckets)
         return [fp32, *[p for p in others if not state._ran_measuring(p, buckets)][: autoplan.CANDIDATES - 1]]
 
