@@ -515,13 +515,16 @@ def _two_shot(
     )
     alone = comm.world_size == 1  # a shard of one rank's payload: forwarded as it is, not re-encoded
     # The second encoding's error memory is added to the sum, and its next value, the residual, is
-    # taken in `summed` itself (no fresh tensor) and kept only once every owner's payload is known
-    # finite. A codec that fuses feedback does the add, the encode and the residual in one pass.
+    # kept only once every owner's payload is known finite. A codec that fuses feedback does the
+    # add, the encode and the residual in one pass, writing the residual straight into
+    # `shard_error_out` where there is one (the memory's spare: the memory stays untouched);
+    # else the residual is taken in `summed` itself (no fresh tensor) and copied on.
     one_pass = ok and not alone and shard_error is not None and type(codec).fuses_feedback
+    residual_into = shard_error_out if one_pass and shard_error_out is not None else summed
     if alone:
         payload = payloads[0]
     elif one_pass:
-        payload, ctx = codec.compress_corrected(summed, shard_error, 1.0, summed)
+        payload, ctx = codec.compress_corrected(summed, shard_error, 1.0, residual_into)
     else:
         if ok and shard_error is not None:
             summed.add_(shard_error)
@@ -538,7 +541,7 @@ def _two_shot(
     if not alone and shard_error is not None:
         if not one_pass:  # after framing: a payload may be a view of summed
             codec.sub_decoded_(summed, payload, ctx)
-        residual = summed
+        residual = residual_into
     clock.lap("compress")
     payload_nbytes = sum(nbytes) + (0 if alone else nbytes[mine])
     sent = sum(f.numel() for rank, f in enumerate(frames) if rank != mine)
@@ -551,7 +554,9 @@ def _two_shot(
         if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in sums)):
             return Exchanged.skipped("two-shot", payload_nbytes, sent, clock.seconds)
         if residual is not None:
-            (shard_error if shard_error_out is None else shard_error_out).copy_(residual)  # type: ignore[union-attr]
+            into = shard_error if shard_error_out is None else shard_error_out
+            if residual is not into:
+                into.copy_(residual)  # type: ignore[union-attr]
         total = torch.empty_like(x) if out is None else out
         for (lo, hi), shard_sum, shard_ctx in zip(bounds, sums, ctxs, strict=True):
             codec.decompress_into(total.view(-1)[lo:hi], shard_sum, shard_ctx)
