@@ -158,11 +158,11 @@ def test_compress_corrected_is_the_add_the_encode_and_the_residual_bit_for_bit(n
     (payload, ctx), residual = codec.compress(p), p.clone()
     codec.sub_decoded_(residual, payload, ctx)
 
-    def corrected():
+    def corrected():  # out apart from g: a shard memory's spare, as the two-shot owner writes it
         out = torch.full_like(g, 9.0)
         return codec.compress_corrected(g, base, alpha, out), out
 
-    def in_place():  # out is g itself, as the two-shot owner's sum takes its residual
+    def in_place():  # out is g itself, as the two-shot owner's sum takes its residual without a spare
         out = g.clone()
         return codec.compress_corrected(out, base, alpha, out), out
 
