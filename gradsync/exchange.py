@@ -520,6 +520,7 @@ def _two_shot(
     # `shard_error_out` where there is one (the memory's spare: the memory stays untouched);
     # else the residual is taken in `summed` itself (no fresh tensor) and copied on.
     one_pass = ok and not alone and shard_error is not None and type(codec).fuses_feedback
+    kept_in = shard_error if shard_error_out is None else shard_error_out  # the residual's home
     residual_into = shard_error_out if one_pass and shard_error_out is not None else summed
     if alone:
         payload = payloads[0]
@@ -553,10 +554,8 @@ def _two_shot(
         flags = [f[size] for f, size in zip(gathered, nbytes, strict=True)]
         if not (all(flag == 0 for flag in flags) and all(_all_finite(p) for p in sums)):
             return Exchanged.skipped("two-shot", payload_nbytes, sent, clock.seconds)
-        if residual is not None:
-            into = shard_error if shard_error_out is None else shard_error_out
-            if residual is not into:
-                into.copy_(residual)  # type: ignore[union-attr]
+        if residual is not None and residual is not kept_in:
+            kept_in.copy_(residual)  # type: ignore[union-attr]
         total = torch.empty_like(x) if out is None else out
         for (lo, hi), shard_sum, shard_ctx in zip(bounds, sums, ctxs, strict=True):
             codec.decompress_into(total.view(-1)[lo:hi], shard_sum, shard_ctx)
